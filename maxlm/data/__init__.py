@@ -1,0 +1,1 @@
+"""The data side: documents -> token store -> plan of rows -> packed, masked batches."""

@@ -1,0 +1,148 @@
+"""The token store and doc index that `maxlm prepare` writes and everything else reads.
+
+Layout of a data dir (local or gs://):
+  tokens-00000.bin ...  raw little-endian int32 token ids, documents back to back in shards
+  index.npz             per document: shard, offset, length, source, split, utf8 bytes; section
+                        boundaries and no-loss (chat prompt) intervals as CSR arrays
+  doc_ids.json          the document ids, verbatim
+  manifest.json         per-source and per-reject-reason counts, tokenizer facts
+  tokenizer.model       the SentencePiece model
+
+Why raw shards rather than ArrayRecord or zarr: any `[doc, start:end)` is one contiguous byte
+range, so a local read is a memmap slice (~3 us, measured 200M tok/s) and a remote read is one
+ranged GET through TensorStore; zarr via TensorStore measured ~25 us per read (20M tok/s), too
+slow to beat in-memory packing, and ArrayRecord returns whole records.
+"""
+
+import dataclasses
+import functools
+import io as _io
+import json
+
+import numpy as np
+
+from maxlm import MaxlmError, io
+
+TRAIN, VAL = 0, 1
+SHARD_TOKENS = 1 << 26
+
+
+def shard_name(i):
+  return f"tokens-{i:05d}.bin"
+
+
+class StoreWriter:
+  """Appends documents to shards and writes a shard once it is full."""
+
+  def __init__(self, out_dir, shard_tokens=SHARD_TOKENS):
+    self.out_dir, self.shard_tokens = out_dir, shard_tokens
+    self.shard, self.parts, self.filled = 0, [], 0
+
+  def add(self, tokens):
+    if self.filled and self.filled + len(tokens) > self.shard_tokens:
+      self._flush()
+    where = (self.shard, self.filled)
+    self.parts.append(np.asarray(tokens, "<i4"))
+    self.filled += len(tokens)
+    return where
+
+  def close(self):
+    if self.parts or self.shard == 0:
+      self._flush()
+    return self.shard
+
+  def _flush(self):
+    data = np.concatenate(self.parts) if self.parts else np.zeros(0, "<i4")
+    io.write_bytes(io.join(self.out_dir, shard_name(self.shard)), data.tobytes())
+    self.shard, self.parts, self.filled = self.shard + 1, [], 0
+
+
+@dataclasses.dataclass
+class DocIndex:
+  """Per-document arrays; `sources[source[i]]` names document i's pool."""
+  shard: np.ndarray
+  offset: np.ndarray
+  length: np.ndarray
+  source: np.ndarray
+  split: np.ndarray
+  nbytes: np.ndarray
+  bound_ptr: np.ndarray
+  bound_pos: np.ndarray
+  bound_level: np.ndarray
+  nolos_ptr: np.ndarray
+  nolos_start: np.ndarray
+  nolos_end: np.ndarray
+  sources: list
+
+  def __len__(self):
+    return len(self.length)
+
+  def bounds(self, doc):
+    a, b = self.bound_ptr[doc], self.bound_ptr[doc + 1]
+    return self.bound_pos[a:b], self.bound_level[a:b]
+
+  def no_loss(self, doc):
+    """[(start, end)] token ranges of a chat document whose targets carry no loss."""
+    a, b = self.nolos_ptr[doc], self.nolos_ptr[doc + 1]
+    return list(zip(self.nolos_start[a:b].tolist(), self.nolos_end[a:b].tolist()))
+
+  @functools.cached_property
+  def is_chat(self):
+    return np.diff(self.nolos_ptr) > 0
+
+  def to_bytes(self):
+    buf = _io.BytesIO()
+    arrays = {k: v for k, v in dataclasses.asdict(self).items() if k != "sources"}
+    np.savez(buf, sources=np.array(self.sources, dtype=str), **arrays)
+    return buf.getvalue()
+
+  @classmethod
+  def from_bytes(cls, data):
+    with np.load(_io.BytesIO(data)) as z:
+      fields = {k: z[k] for k in z.files}
+    fields["sources"] = [str(s) for s in fields["sources"]]
+    return cls(**fields)
+
+
+def load_index(data_dir):
+  if not io.exists(io.join(data_dir, "index.npz")):
+    raise MaxlmError(f"data.dir {data_dir!r} has no index.npz; run `maxlm prepare INPUT... "
+                     f"--out {data_dir}` first")
+  return DocIndex.from_bytes(io.read_bytes(io.join(data_dir, "index.npz")))
+
+
+def load_manifest(data_dir):
+  return json.loads(io.read_bytes(io.join(data_dir, "manifest.json")))
+
+
+def load_doc_ids(data_dir):
+  return json.loads(io.read_bytes(io.join(data_dir, "doc_ids.json")))
+
+
+class TokenStore:
+  """Random access to `[doc, start:end)` token ranges; pickles cheaply for Grain workers."""
+
+  def __init__(self, data_dir, index=None):
+    self.data_dir = str(data_dir)
+    self.index = index if index is not None else load_index(self.data_dir)
+    self._maps = {}
+
+  def __getstate__(self):
+    return {"data_dir": self.data_dir, "index": self.index, "_maps": {}}
+
+  def read(self, doc, start, end):
+    shard = int(self.index.shard[doc])
+    base = int(self.index.offset[doc])
+    if io.is_local(self.data_dir):
+      return self._map(shard)[base + start:base + end]
+    data = io.read_range(io.join(self.data_dir, shard_name(shard)), 4 * (base + start),
+                         4 * (base + end))
+    return np.frombuffer(data, "<i4")
+
+  def document(self, doc):
+    return self.read(doc, 0, int(self.index.length[doc]))
+
+  def _map(self, shard):
+    if shard not in self._maps:
+      self._maps[shard] = np.memmap(io.join(self.data_dir, shard_name(shard)), "<i4", "r")
+    return self._maps[shard]

@@ -1,0 +1,61 @@
+"""SentencePiece tokenizer: training with maxlm's special ids, loading, and exact round trips.
+
+Ids 0..3 are pad, bos, eos, unk; then the FIM markers, the chat role and end markers, and the
+newline, each one token. Training keeps text verbatim (identity normalisation, no dummy prefix,
+whitespace kept, byte fallback), so decode(encode(text)) == text for any UTF-8 text, and texts
+encoded in consecutive blocks decode to their concatenation.
+"""
+
+import dataclasses
+import io as _io
+
+import sentencepiece as spm
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX = "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"
+ROLES = ("system", "user", "assistant")
+CHAT_END = "<|end|>"
+USER_SYMBOLS = (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, *(f"<|{r}|>" for r in ROLES), CHAT_END,
+                "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+  pad: int
+  bos: int
+  eos: int
+  fim_prefix: int
+  fim_middle: int
+  fim_suffix: int
+  chat_end: int
+  roles: dict
+
+
+def train(sentences, vocab_size, num_threads=2):
+  """Trains a BPE model on an iterator of strings and returns its serialized proto."""
+  model = _io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(sentences), model_writer=model, model_type="bpe",
+      vocab_size=vocab_size, byte_fallback=True, character_coverage=0.9995,
+      normalization_rule_name="identity", add_dummy_prefix=False,
+      remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+      split_by_whitespace=True, max_sentence_length=16384, input_sentence_size=2_000_000,
+      shuffle_input_sentence=True, pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK,
+      user_defined_symbols=list(USER_SYMBOLS), num_threads=num_threads,
+      train_extremely_large_corpus=False, minloglevel=2)
+  return model.getvalue()
+
+
+def load(model_proto):
+  return spm.SentencePieceProcessor(model_proto=model_proto)
+
+
+def special_ids(sp):
+  ids = {s: sp.piece_to_id(s) for s in USER_SYMBOLS}
+  for s, i in ids.items():
+    if i == sp.unk_id():
+      raise ValueError(f"tokenizer lacks the special piece {s!r}; train it with maxlm prepare")
+  return SpecialIds(
+      pad=sp.pad_id(), bos=sp.bos_id(), eos=sp.eos_id(), fim_prefix=ids[FIM_PREFIX],
+      fim_middle=ids[FIM_MIDDLE], fim_suffix=ids[FIM_SUFFIX], chat_end=ids[CHAT_END],
+      roles={r: ids[f"<|{r}|>"] for r in ROLES})

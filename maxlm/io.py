@@ -1,0 +1,63 @@
+"""Whole-file reads and writes for local paths and object stores (gs://, s3://) alike.
+
+Everything maxlm writes besides checkpoints (token shards, index, manifest, tokenizer) goes
+through these four functions, which use a TensorStore key-value store for every path, so a
+`gs://` data dir is read and written by the same code as a local one.
+"""
+
+import functools
+import os
+import urllib.parse
+
+import tensorstore as ts
+
+from maxlm import MaxlmError
+
+_REMOTE = ("gs", "s3", "http", "https")
+
+
+def is_local(path):
+  return urllib.parse.urlparse(str(path)).scheme not in _REMOTE
+
+
+def join(path, name):
+  return f"{str(path).rstrip('/')}/{name}"
+
+
+def read_bytes(path):
+  result = _open(_parent(path)).read(_name(path)).result()
+  if result.state != "value":
+    raise MaxlmError(f"file not found: {path}")
+  return result.value
+
+
+def read_range(path, start, end):
+  """Bytes [start, end) of a file, as one ranged read."""
+  return _open(_parent(path)).read(_name(path), byte_range=slice(start, end)).result().value
+
+
+def write_bytes(path, data):
+  if is_local(path):
+    os.makedirs(_parent(path), exist_ok=True)
+  try:
+    _open(_parent(path)).write(_name(path), data).result()
+  except ValueError as e:
+    raise MaxlmError(f"cannot write {path}: {str(e).splitlines()[0]}") from None
+
+
+def exists(path):
+  return _open(_parent(path)).read(_name(path)).result().state == "value"
+
+
+def _parent(path):
+  return str(path).rstrip("/").rsplit("/", 1)[0] if "/" in str(path) else "."
+
+
+def _name(path):
+  return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _open(folder):
+  url = folder if not is_local(folder) else f"file://{os.path.abspath(folder)}"
+  return ts.KvStore.open(url.rstrip("/") + "/").result()
