@@ -181,7 +181,7 @@ def _encode_chat(messages):
   """Role header and non-assistant turns are no-loss; assistant content and its end count."""
   parts, no_loss, bounds, n = [], [], [], 0
   for m in messages:
-    header = [_SP.piece_to_id(f"<|{m['role']}|>"), _SP.piece_to_id("\n")]
+    header = [_SP.piece_to_id(f"<|{m['role']}|>")] + _SP.encode("\n")
     body = _SP.encode(m["content"]) + [_SP.piece_to_id(tokenizer.CHAT_END)]
     if n:
       bounds.append(n)
@@ -217,52 +217,68 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   sp = tokenizer.load(model_proto)
   special = tokenizer.special_ids(sp)
 
-  writer = store.StoreWriter(out_dir)
-  cols = collections.defaultdict(list)
-  bounds, no_loss, doc_ids, sources = [], [], [], {}
+  writer = DataDirWriter(out_dir)
   with multiprocessing.get_context("fork").Pool(workers or os.cpu_count(), _init_worker,
                                                 (model_proto,)) as pool:
     encoded = pool.imap(encode_document, iter_documents(inputs, report), chunksize=16)
-    for source, doc_id, tokens, pos, level, nl, nbytes in tqdm.tqdm(
-        encoded, desc="tokenize", unit="doc", disable=not progress):
-      shard, offset = writer.add(tokens)
-      for name, value in (("shard", shard), ("offset", offset), ("length", len(tokens)),
-                          ("source", sources.setdefault(source, len(sources))),
-                          ("nbytes", nbytes), ("heldout", heldout(source, doc_id, val_fraction))):
-        cols[name].append(value)
-      bounds.append((pos, level))
-      no_loss.append(nl)
-      doc_ids.append(doc_id)
-  if not doc_ids:
+    for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
+      writer.add(*record)
+  if not writer.doc_ids:
     raise MaxlmError(f"no usable documents in {', '.join(map(str, inputs))} "
                      f"(rejected: {dict(+report.rejected) or 'none'})")
-  writer.close()
+  return writer.finish(report, special, sp.vocab_size(), model_proto, val_fraction)
 
-  source = np.array(cols["source"], np.int32)
-  split = np.where(cols["heldout"], store.VAL, store.TRAIN).astype(np.uint8)
-  for s in range(len(sources)):
-    members = np.flatnonzero(source == s)
-    if len(members) >= 2 and not (split[members] == store.VAL).any():
-      split[members[-1]] = store.VAL  # every source with 2+ documents holds one out
-    if len(members) and (split[members] == store.VAL).all():
-      split[members[0]] = store.TRAIN
-  index = store.DocIndex(
-      shard=np.array(cols["shard"], np.int32), offset=np.array(cols["offset"], np.int64),
-      length=np.array(cols["length"], np.int32), source=source, split=split,
-      nbytes=np.array(cols["nbytes"], np.int64),
-      bound_ptr=_ptr([len(p) for p, _ in bounds]),
-      bound_pos=_cat([p for p, _ in bounds], np.int32),
-      bound_level=_cat([lvl for _, lvl in bounds], np.int8),
-      nolos_ptr=_ptr([len(x) for x in no_loss]),
-      nolos_start=_cat([x[:, 0] for x in no_loss], np.int32),
-      nolos_end=_cat([x[:, 1] for x in no_loss], np.int32),
-      sources=list(sources))
-  manifest = _manifest(index, report, sp, special)
-  io.write_bytes(io.join(out_dir, "index.npz"), index.to_bytes())
-  io.write_bytes(io.join(out_dir, "doc_ids.json"), json.dumps(doc_ids).encode())
-  io.write_bytes(io.join(out_dir, "tokenizer.model"), model_proto)
-  io.write_bytes(io.join(out_dir, "manifest.json"), json.dumps(manifest, indent=1).encode())
-  return manifest
+
+class DataDirWriter:
+  """Accumulates tokenized documents and writes the store, index, ids and manifest."""
+
+  def __init__(self, out_dir):
+    self.out_dir = out_dir
+    self.tokens = store.StoreWriter(out_dir)
+    self.cols = collections.defaultdict(list)
+    self.bounds, self.no_loss, self.doc_ids, self.sources = [], [], [], {}
+
+  def add(self, source, doc_id, tokens, bound_pos=(), bound_level=(), no_loss=(), nbytes=0):
+    shard, offset = self.tokens.add(tokens)
+    for name, value in (("shard", shard), ("offset", offset), ("length", len(tokens)),
+                        ("source", self.sources.setdefault(source, len(self.sources))),
+                        ("nbytes", nbytes), ("id", doc_id)):
+      self.cols[name].append(value)
+    self.bounds.append((np.asarray(bound_pos, np.int32), np.asarray(bound_level, np.int8)))
+    self.no_loss.append(np.asarray(no_loss, np.int32).reshape(-1, 2))
+    self.doc_ids.append(doc_id)
+
+  def finish(self, report, special, vocab_size, model_proto=None, val_fraction=0.01):
+    self.tokens.close()
+    source = np.array(self.cols["source"], np.int32)
+    split = np.array([store.VAL if heldout(s, i, val_fraction) else store.TRAIN
+                      for s, i in zip(self.cols["source"], self.doc_ids)], np.uint8)
+    for s in range(len(self.sources)):
+      members = np.flatnonzero(source == s)
+      if len(members) >= 2 and not (split[members] == store.VAL).any():
+        split[members[-1]] = store.VAL  # every source with 2+ documents holds one out
+      if len(members) and (split[members] == store.VAL).all():
+        split[members[0]] = store.TRAIN
+    index = store.DocIndex(
+        shard=np.array(self.cols["shard"], np.int32),
+        offset=np.array(self.cols["offset"], np.int64),
+        length=np.array(self.cols["length"], np.int32), source=source, split=split,
+        nbytes=np.array(self.cols["nbytes"], np.int64),
+        bound_ptr=_ptr([len(p) for p, _ in self.bounds]),
+        bound_pos=_cat([p for p, _ in self.bounds], np.int32),
+        bound_level=_cat([lvl for _, lvl in self.bounds], np.int8),
+        nolos_ptr=_ptr([len(x) for x in self.no_loss]),
+        nolos_start=_cat([x[:, 0] for x in self.no_loss], np.int32),
+        nolos_end=_cat([x[:, 1] for x in self.no_loss], np.int32),
+        sources=list(self.sources))
+    manifest = _manifest(index, report, special, vocab_size)
+    join = lambda name: io.join(self.out_dir, name)
+    io.write_bytes(join("index.npz"), index.to_bytes())
+    io.write_bytes(join("doc_ids.json"), json.dumps(self.doc_ids).encode())
+    if model_proto is not None:
+      io.write_bytes(join("tokenizer.model"), model_proto)
+    io.write_bytes(join("manifest.json"), json.dumps(manifest, indent=1).encode())
+    return manifest
 
 
 def _ptr(counts):
@@ -273,7 +289,7 @@ def _cat(arrays, dtype):
   return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
 
 
-def _manifest(index, report, sp, special):
+def _manifest(index, report, special, vocab_size):
   per_source = {}
   for s, name in enumerate(index.sources):
     mine = index.source == s
@@ -287,7 +303,7 @@ def _manifest(index, report, sp, special):
       "rejected": dict(report.rejected),
       "rejected_examples": dict(report.examples),
       "skipped_files": dict(report.skipped_files),
-      "vocab_size": sp.vocab_size(),
-      "special_ids": {k: v for k, v in vars(special).items()},
+      "vocab_size": vocab_size,
+      "special_ids": dict(vars(special)),
       "tokenizer": "tokenizer.model",
   }

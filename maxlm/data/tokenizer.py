@@ -1,7 +1,8 @@
 """SentencePiece tokenizer: training with maxlm's special ids, loading, and exact round trips.
 
-Ids 0..3 are pad, bos, eos, unk; then the FIM markers, the chat role and end markers, and the
-newline, each one token. Training keeps text verbatim (identity normalisation, no dummy prefix,
+Ids 0..3 are pad, bos, eos, unk; then the FIM markers and the chat role and end markers as
+control symbols (inserted by id only: text that spells "<|end|>" never becomes the marker), and
+the newline as one token. Training keeps text verbatim (identity normalisation, no dummy prefix,
 whitespace kept, byte fallback), so decode(encode(text)) == text for any UTF-8 text, and texts
 encoded in consecutive blocks decode to their concatenation.
 """
@@ -15,8 +16,7 @@ PAD, BOS, EOS, UNK = 0, 1, 2, 3
 FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX = "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"
 ROLES = ("system", "user", "assistant")
 CHAT_END = "<|end|>"
-USER_SYMBOLS = (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, *(f"<|{r}|>" for r in ROLES), CHAT_END,
-                "\n")
+CONTROL_SYMBOLS = (FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, *(f"<|{r}|>" for r in ROLES), CHAT_END)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ def train(sentences, vocab_size, num_threads=2):
       remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
       split_by_whitespace=True, max_sentence_length=16384, input_sentence_size=2_000_000,
       shuffle_input_sentence=True, pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK,
-      user_defined_symbols=list(USER_SYMBOLS), num_threads=num_threads,
+      control_symbols=list(CONTROL_SYMBOLS), user_defined_symbols=["\n"], num_threads=num_threads,
       train_extremely_large_corpus=False, minloglevel=2)
   return model.getvalue()
 
@@ -51,7 +51,7 @@ def load(model_proto):
 
 
 def special_ids(sp):
-  ids = {s: sp.piece_to_id(s) for s in USER_SYMBOLS}
+  ids = {s: sp.piece_to_id(s) for s in CONTROL_SYMBOLS}
   for s, i in ids.items():
     if i == sp.unk_id():
       raise ValueError(f"tokenizer lacks the special piece {s!r}; train it with maxlm prepare")
@@ -59,3 +59,8 @@ def special_ids(sp):
       pad=sp.pad_id(), bos=sp.bos_id(), eos=sp.eos_id(), fim_prefix=ids[FIM_PREFIX],
       fim_middle=ids[FIM_MIDDLE], fim_suffix=ids[FIM_SUFFIX], chat_end=ids[CHAT_END],
       roles={r: ids[f"<|{r}|>"] for r in ROLES})
+
+
+# The ids `train` assigns; data made without a tokenizer (tests, benchmarks) uses these.
+DEFAULT_SPECIAL = SpecialIds(pad=PAD, bos=BOS, eos=EOS, fim_prefix=4, fim_middle=5, fim_suffix=6,
+                             chat_end=10, roles={"system": 7, "user": 8, "assistant": 9})

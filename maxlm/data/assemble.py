@@ -1,0 +1,56 @@
+"""Assembly: a row of planned pieces + the token store -> the five arrays of DESIGN.md §1.
+
+Each piece becomes the segment [BOS if it starts the document] + context + body + [EOS if it
+ends it], its body FIM-rearranged when planned so; `inputs = s[:-1]` and `targets = s[1:]` are
+taken inside the segment, so no position predicts the next document's first token. `loss_mask`
+is 0 on padding, on targets inside the context, and on a chat document's prompt targets and EOS.
+"""
+
+import numpy as np
+
+from maxlm.data import fim
+
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def segment(store, special, seed, piece):
+  """(tokens, counts_as_target) of one piece's segment."""
+  _, doc, start, end, ctx, mode = piece[:6]
+  index = store.index
+  tokens = store.read(doc, start - ctx, end)
+  body = tokens[ctx:]
+  if mode != fim.NONE:
+    i, j = fim.split_points(seed, doc, start, len(body))
+    body = fim.apply(body, mode, i, j, special)
+  bos, eos = start == 0, end == int(index.length[doc])
+  parts = ([[special.bos]] if bos else []) + [tokens[:ctx], body] + ([[special.eos]] if eos else [])
+  seg = np.concatenate([np.asarray(p, np.int32) for p in parts])
+  weight = np.ones(len(seg), np.int32)
+  weight[int(bos):int(bos) + ctx] = 0
+  if index.is_chat[doc]:
+    offset = int(bos) + ctx - start  # segment index of document token t is t + offset
+    for a, b in index.no_loss(doc):
+      weight[max(a, start) + offset:max(min(b, end), start) + offset] = 0
+    if eos:
+      weight[-1] = 0
+  return seg, weight
+
+
+def row_arrays(store, special, seed, pieces, seq_len):
+  """The five int32 arrays [seq_len] of one row."""
+  out = {f: np.zeros(seq_len, np.int32) for f in FIELDS}
+  at = 0
+  for k, piece in enumerate(pieces, 1):
+    seg, weight = segment(store, special, seed, piece)
+    n = len(seg) - 1
+    if at + n > seq_len:
+      raise ValueError(f"row overflows {seq_len} positions at piece {piece}")
+    out["inputs"][at:at + n] = seg[:-1]
+    out["targets"][at:at + n] = seg[1:]
+    out["segment_ids"][at:at + n] = k
+    out["positions"][at:at + n] = np.arange(n, dtype=np.int32)
+    out["loss_mask"][at:at + n] = weight[1:]
+    at += n
+  out["inputs"][at:] = special.pad
+  out["targets"][at:] = special.pad
+  return out

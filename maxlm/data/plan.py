@@ -1,0 +1,346 @@
+"""The planner: a pure function of (doc index, config, stage) giving every row's pieces.
+
+It touches lengths only, never tokens, so every host computes the same global plan quickly.
+Why our own rather than Grain's packers: those mix per element not per token, raise on
+documents longer than L, and tie their state to worker count and per-host batch (DESIGN.md §2).
+
+Per stage the planner
+  1. draws documents from one pool per source, each in a seeded permutation per epoch;
+  2. cuts documents that do not fit (see `chunk`), the overlap becoming the next piece's context;
+  3. fills each row starting with the oldest piece of the source furthest below its token
+     quota, then best-fits the rest from each source's lookahead window, in order of deficit,
+     taking a piece only if every source's share stays within one piece of its quota;
+  4. decides FIM per piece by hash (see `fim`);
+  5. shuffles rows within windows of `data.shuffle_rows`.
+Stage s starts from the pool cursors where stage s-1 ended. Rows are planned in blocks of
+`data.block_rows`; the state at a block start (`Snapshot`) is small and picklable.
+"""
+
+import bisect
+import collections
+import copy
+import dataclasses
+
+import numpy as np
+
+from maxlm import MaxlmError
+from maxlm.data import chunk, fim, store
+
+# A piece: (pool, doc, start, end, ctx, fim_mode, positions).
+POOL, DOC, START, END, CTX, FIM, SIZE = range(7)
+
+
+@dataclasses.dataclass
+class Block:
+  """Rows [first_row, first_row + rows) of a stage, as flat piece arrays (rows in final order)."""
+  row_ptr: np.ndarray
+  pool: np.ndarray
+  doc: np.ndarray
+  start: np.ndarray
+  end: np.ndarray
+  ctx: np.ndarray
+  fim: np.ndarray
+  order: np.ndarray  # final row i is packed row order[i]
+
+  def row(self, i):
+    a, b = self.row_ptr[i], self.row_ptr[i + 1]
+    return [(int(self.pool[k]), int(self.doc[k]), int(self.start[k]), int(self.end[k]),
+             int(self.ctx[k]), int(self.fim[k])) for k in range(a, b)]
+
+
+class Pool:
+  """One source's documents: its permutation cursor and its lookahead window of pieces."""
+
+  def __init__(self, planner, index):
+    self.p, self.index = planner, index
+    self.docs = np.flatnonzero((planner.index.source == index)
+                               & (planner.index.split == store.TRAIN)).astype(np.int32)
+    self.train_tokens = int(planner.index.length[self.docs].sum())
+    self.fim_ok = planner.fim_sources is None or planner.index.sources[index] in planner.fim_sources
+    self.epoch, self.cursor, self.perm = -1, 0, self.docs[:0]
+    self.cut_queue = collections.deque()
+    self.window = collections.OrderedDict()  # seq -> piece, in arrival order
+    self.by_size = []  # sorted (positions, -seq)
+    self.seq = 0
+
+  def state(self):
+    return (self.epoch, self.cursor, list(self.cut_queue), list(self.window.values()), self.seq)
+
+  def restore(self, state):
+    self.epoch, cursor, cut_queue, window, self.seq = state
+    self._permute(self.epoch)
+    self.cursor, self.cut_queue = cursor, collections.deque(cut_queue)
+    self.window.clear()
+    self.by_size.clear()
+    for piece in window:
+      self._add(piece)
+
+  def fill(self):
+    while len(self.window) < self.p.lookahead:
+      self._add(self._next_piece())
+
+  def head(self):
+    seq, piece = next(iter(self.window.items()))
+    return seq, piece
+
+  def best_fit(self, space):
+    i = bisect.bisect_right(self.by_size, (space, 1)) - 1
+    return (-self.by_size[i][1], self.window[-self.by_size[i][1]]) if i >= 0 else (None, None)
+
+  def take(self, seq):
+    piece = self.window.pop(seq)
+    del self.by_size[bisect.bisect_left(self.by_size, (piece[SIZE], -seq))]
+    return piece
+
+  def refit(self):
+    """Re-cuts carried pieces for a new stage's row length."""
+    remaining = list(self.cut_queue)
+    self.cut_queue.clear()
+    if remaining:
+      doc, first, last = remaining[0][DOC], remaining[0][START], remaining[-1][END]
+      self.cut_queue.extend(self._cut(doc, first, last, remaining[0][FIM]))
+    carried = list(self.window.values())
+    self.window.clear()
+    self.by_size.clear()
+    for piece in carried:
+      if piece[SIZE] <= self.p.seq_len:
+        self._add(piece)
+      else:
+        self.cut_queue.extendleft(reversed(self._cut(piece[DOC], piece[START], piece[END], 0)))
+
+  def _add(self, piece):
+    self.seq += 1
+    self.window[self.seq] = piece
+    bisect.insort(self.by_size, (piece[SIZE], -self.seq))
+
+  def _permute(self, epoch):
+    if epoch < 0:
+      self.perm, self.perm_list = self.docs[:0], []
+      return
+    rng = np.random.default_rng([self.p.seed, self.index, epoch])
+    self.perm = rng.permutation(self.docs)
+    self.lengths = self.p.index.length[self.perm].astype(np.int64)
+    self.modes = fim.modes(self.p.seed, self.perm, 0, epoch, self.p.fim_rate, self.p.fim_spm)
+    if not self.fim_ok:
+      self.modes[:] = fim.NONE
+    self.modes[self.p.index.is_chat[self.perm]] = fim.NONE
+    self.perm_list, self.length_list = self.perm.tolist(), self.lengths.tolist()
+    self.mode_list = self.modes.tolist()
+
+  def _next_piece(self):
+    if self.cut_queue:
+      return self.cut_queue.popleft()
+    if self.cursor >= len(self.perm):
+      if not len(self.docs):
+        raise MaxlmError(f"source {self.p.index.sources[self.index]!r} has no training "
+                         "documents; drop it from the mix")
+      self.epoch, self.cursor = self.epoch + 1, 0
+      self._permute(self.epoch)
+    i = self.cursor
+    self.cursor += 1
+    doc, n, mode = self.perm_list[i], self.length_list[i], self.mode_list[i]
+    size = n + 1 + (chunk.FIM_MARKERS if mode else 0)  # BOS + body + EOS, minus one
+    if size <= self.p.seq_len:
+      return (self.index, doc, 0, n, 0, mode, size)
+    self.cut_queue.extend(self._cut(doc, 0, n, mode))
+    return self.cut_queue.popleft()
+
+  def _cut(self, doc, first, last, first_mode):
+    reserve = chunk.FIM_MARKERS if self.fim_ok and self.p.fim_rate > 0 else 0
+    n = int(self.p.index.length[doc])
+    pos, lvl = self.p.index.bounds(doc)
+    pieces = []
+    for start, end, ctx in chunk.cut(n, first, last, pos, lvl, self.p.seq_len + 1 - reserve,
+                                     self.p.overlap, self.p.min_cut):
+      mode = (first_mode if start == first else int(
+          fim.modes(self.p.seed, doc, start, self.epoch, self.p.fim_rate, self.p.fim_spm)))
+      mode = mode if (ctx == 0 and reserve and not self.p.index.is_chat[doc]) else fim.NONE
+      size = chunk.positions(int(start == 0), ctx, end - start, int(end == n), mode)
+      pieces.append((self.index, doc, start, end, ctx, mode, size))
+    return pieces
+
+
+@dataclasses.dataclass
+class Snapshot:
+  """Everything needed to plan on from a block start."""
+  stage: int
+  block: int
+  pools: list
+  taken: list  # body tokens per pool this stage
+  largest: int  # largest piece body this stage
+
+
+class Planner:
+  """Plans stages block by block; `block(s, b)` is a pure function of (index, config, s, b)."""
+
+  def __init__(self, index, config, cache_blocks=4):
+    d = config.data
+    self.index, self.config, self.seed = index, config, config.seed
+    self.lookahead, self.overlap, self.min_cut = d.lookahead, d.overlap, d.min_cut
+    self.fim_rate, self.fim_spm = d.fim.rate, d.fim.spm
+    self.fim_sources = set(d.fim.sources) or None
+    self.block_rows, self.shuffle_rows = d.block_rows, d.shuffle_rows
+    self.quotas = [self._quotas(s) for s in range(len(config.stages))]
+    self.pools = [Pool(self, i) for i in range(len(index.sources))]
+    self.seq_len = config.stages[0].seq_len
+    self._snapshots = {}
+    self._blocks = collections.OrderedDict()
+    self._cache_blocks = cache_blocks
+    self._state = None  # (stage, block) the live pools are at
+
+  def stage_rows(self, s):
+    st = self.config.stages[s]
+    return st.num_steps * st.batch
+
+  def num_blocks(self, s):
+    return -(-self.stage_rows(s) // self.block_rows)
+
+  def rows(self, s, first, count):
+    """Pieces of rows [first, first + count) of stage s, in final order."""
+    out = []
+    for r in range(first, first + count):
+      b, i = divmod(r, self.block_rows)
+      out.append(self.block(s, b).row(i))
+    return out
+
+  def block(self, s, b):
+    if (s, b) not in self._blocks:
+      self._goto(s, b)
+      self._keep(s, b, self._plan_block(s, b))
+    self._blocks.move_to_end((s, b))
+    return self._blocks[(s, b)]
+
+  def snapshot(self, s, b):
+    """The planner state at the start of block b of stage s (plans up to it if needed)."""
+    self._goto(s, b)
+    return self._snapshot(s, b)
+
+  def seed_snapshot(self, snap):
+    """Installs a snapshot (e.g. from a checkpoint) so planning resumes from it."""
+    self._snapshots[(snap.stage, snap.block)] = copy.deepcopy(snap)
+
+  def _goto(self, s, b):
+    """Brings the live pools to the start of block b of stage s."""
+    if self._state == (s, b):
+      return
+    known = [k for k in self._snapshots if k <= (s, b)]
+    latest = max(known) if known else None
+    if self._state is None or self._state > (s, b) or (latest and latest > self._state):
+      self._restore(self._snapshots[latest] if latest else None)
+    while self._state != (s, b):
+      cs, cb = self._state
+      if cb >= self.num_blocks(cs):
+        self._begin_stage(cs + 1)
+      else:
+        self._keep(cs, cb, self._plan_block(cs, cb))
+    self._snapshots.setdefault((s, b), self._snapshot(s, b))
+
+  def _keep(self, s, b, block):
+    self._blocks[(s, b)] = block
+    self._state = (s, b + 1)
+    while len(self._blocks) > self._cache_blocks:
+      self._blocks.popitem(last=False)
+
+  def _restore(self, snap):
+    if snap is None:
+      for pool in self.pools:
+        pool.restore((-1, 0, [], [], 0))
+      self._begin_stage(0)
+      return
+    self.seq_len = self.config.stages[snap.stage].seq_len
+    for pool, state in zip(self.pools, snap.pools):
+      pool.restore(state)
+    self.taken, self.largest = list(snap.taken), snap.largest
+    self._state = (snap.stage, snap.block)
+
+  def _snapshot(self, s, b):
+    return Snapshot(s, b, [p.state() for p in self.pools], list(self.taken), self.largest)
+
+  def _begin_stage(self, s):
+    if s >= len(self.config.stages):
+      raise IndexError(f"stage {s} is past the schedule's {len(self.config.stages)} stages")
+    L = self.config.stages[s].seq_len
+    if 2 * self.overlap >= L:
+      raise MaxlmError(f"data.overlap={self.overlap} must be under half of stages.{s}.seq_len={L}")
+    self.seq_len = L
+    for pool in self.pools:
+      pool.refit()
+    self.taken, self.largest = [0] * len(self.pools), 1
+    self._state = (s, 0)
+    self._snapshots[(s, 0)] = self._snapshot(s, 0)
+
+  def _quotas(self, s):
+    mix = self.config.mix_for(s)
+    names = self.index.sources
+    for name in mix:
+      if name not in names:
+        raise MaxlmError(f"stages.{s} mix: unknown source {name!r}; the data has: "
+                         f"{', '.join(names)}")
+    if not mix:
+      train = self.index.split == store.TRAIN
+      mix = {n: float(self.index.length[(self.index.source == i) & train].sum())
+             for i, n in enumerate(names)}
+    total = sum(mix.values())
+    return np.array([mix.get(n, 0.0) / total for n in names])
+
+  def _plan_block(self, s, b):
+    L, q = self.seq_len, self.quotas[s].tolist()
+    first = b * self.block_rows
+    n_rows = min(self.block_rows, self.stage_rows(s) - first)
+    active = [i for i in range(len(self.pools)) if q[i] > 0]
+    taken, largest = self.taken, self.largest
+    for i in active:
+      self.pools[i].fill()
+    rows = []
+    for _ in range(n_rows):
+      row, space = [], L
+      while space > 0:
+        if len(active) == 1:
+          order = active
+        else:
+          total = sum(taken)
+          order = sorted(active, key=lambda i: (taken[i] - q[i] * total, i))
+        for i in order:
+          pool = self.pools[i]
+          seq, piece = pool.head() if not row else pool.best_fit(space)
+          if piece is None:
+            continue
+          body = piece[END] - piece[START]
+          if row and len(active) > 1 and not _keeps_shares(i, body, taken, max(largest, body),
+                                                           q, active):
+            continue
+          break
+        else:
+          break
+        pool.take(seq)
+        pool.fill()
+        row.append(piece)
+        taken[i] += body
+        largest = max(largest, body)
+        space -= piece[SIZE]
+      rows.append(row)
+    self.largest = largest
+    return self._to_block(s, b, rows)
+
+  def _to_block(self, s, b, rows):
+    order = np.arange(len(rows))
+    for w in range(0, len(rows), self.shuffle_rows):
+      rng = np.random.default_rng([self.seed, s, b, w, 7])
+      order[w:w + self.shuffle_rows] = w + rng.permutation(min(self.shuffle_rows, len(rows) - w))
+    ordered = [rows[i] for i in order]
+    flat = [p for row in ordered for p in row]
+    cols = np.array([p[:SIZE] for p in flat], np.int64).reshape(-1, SIZE)
+    ptr = np.concatenate([[0], np.cumsum([len(r) for r in ordered])]).astype(np.int64)
+    return Block(row_ptr=ptr, pool=cols[:, POOL].astype(np.int16),
+                 doc=cols[:, DOC].astype(np.int32), start=cols[:, START].astype(np.int32),
+                 end=cols[:, END].astype(np.int32), ctx=cols[:, CTX].astype(np.int32),
+                 fim=cols[:, FIM].astype(np.int8), order=order)
+
+
+def _keeps_shares(chosen, body, taken, bound, q, active):
+  """Whether every source stays within `bound` tokens of its quota after taking the piece."""
+  total = sum(taken) + body
+  for i in active:
+    if abs(q[i] * total - taken[i] - (body if i == chosen else 0)) > bound:
+      return False
+  return True
