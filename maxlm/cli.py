@@ -1,0 +1,159 @@
+"""The `maxlm` command line: one subcommand per job, errors as one line with exit code 2."""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+from maxlm import MaxlmError, config as config_lib
+
+
+def _add_config(p):
+  p.add_argument("config", help="YAML file in configs/ (or its bare name, e.g. demo)")
+  p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+
+def _parser():
+  ap = argparse.ArgumentParser(prog="maxlm", description="LLM pretraining on JAX.")
+  sub = ap.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("prepare", help="documents -> tokenizer, token store, doc index, manifest")
+  p.add_argument("inputs", nargs="+", help="JSONL, text, markdown or code files, or folders")
+  p.add_argument("--out", required=True, help="data dir to write (local or gs://)")
+  p.add_argument("--vocab-size", type=int, default=8192)
+  p.add_argument("--tokenizer", help="an existing SentencePiece .model to use instead")
+  p.add_argument("--val-fraction", type=float, default=0.01)
+  p.add_argument("--workers", type=int, default=None, help="tokenizer processes (all cores)")
+
+  p = sub.add_parser("ledger", help="token accounting per stage and source, from the plan")
+  _add_config(p)
+  p.add_argument("--json", action="store_true")
+
+  p = sub.add_parser("batches", help="write global (or one host's) batches to an .npz")
+  _add_config(p)
+  p.add_argument("--stage", type=int, default=0)
+  p.add_argument("--step", type=int, default=0)
+  p.add_argument("--count", type=int, default=1)
+  p.add_argument("--hosts", type=int, default=1)
+  p.add_argument("--host-index", type=int, default=0)
+  p.add_argument("--out", required=True)
+
+  p = sub.add_parser("show-batch", help="PNG of one row: segments, visibility, loss mask")
+  _add_config(p)
+  p.add_argument("--stage", type=int, default=0)
+  p.add_argument("--step", type=int, default=0)
+  p.add_argument("--row", type=int, default=None, help="default: the row with most segments")
+  p.add_argument("--out", required=True)
+
+  p = sub.add_parser("demo", help="the quickstart: embedded corpus -> prepare -> ledger -> batch")
+  p.add_argument("--config", default="demo")
+  return ap
+
+
+def cmd_prepare(args):
+  from maxlm.data import prepare
+  if args.vocab_size < 300:
+    raise MaxlmError(f"--vocab-size must be >= 300 (bytes and specials), got {args.vocab_size}")
+  if not 0 <= args.val_fraction < 1:
+    raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+  manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
+                             args.val_fraction, args.workers)
+  _print_manifest(manifest, args.out)
+
+
+def _print_manifest(manifest, out):
+  for name, s in manifest["sources"].items():
+    print(f"  {name:<12} {s['documents']:>8,} docs {s['tokens']:>12,} tokens "
+          f"({s['heldout_documents']:,} docs held out)")
+  rejected = {k: v for k, v in manifest["rejected"].items() if v}
+  print(f"  rejected: {rejected or 'none'}; skipped files: {manifest['skipped_files'] or 'none'}")
+  print(f"wrote {out}")
+
+
+def _open_data(args):
+  from maxlm.data import loader
+  cfg = config_lib.load(args.config, args.overrides)
+  return cfg, loader.Data(cfg)
+
+
+def _check_step(cfg, stage, step, count=1):
+  if not 0 <= stage < len(cfg.stages):
+    raise MaxlmError(f"--stage {stage}: the schedule has stages 0..{len(cfg.stages) - 1}")
+  steps = cfg.stages[stage].num_steps
+  if step < 0 or count < 1 or step + count > steps:
+    raise MaxlmError(f"--step {step} --count {count}: stage {stage} has steps 0..{steps - 1}")
+
+
+def cmd_ledger(args):
+  from maxlm.data import ledger
+  cfg, data = _open_data(args)
+  led = ledger.ledger(data.planner)
+  if args.json:
+    print(json.dumps(led))
+  else:
+    print(ledger.format_table(led, {i: s.name or str(i) for i, s in enumerate(cfg.stages)}))
+
+
+def cmd_batches(args):
+  import numpy as np
+  from maxlm.data import loader
+  cfg, data = _open_data(args)
+  _check_step(cfg, args.stage, args.step, args.count)
+  ds = loader.stage_dataset(data, args.stage, args.host_index, args.hosts)
+  steps = range(args.step, args.step + args.count)
+  arrays = loader.stack([ds[k] for k in steps])
+  prov = loader.provenance_json(data, args.stage, steps, args.host_index, args.hosts)
+  _ensure_parent(args.out)
+  np.savez(args.out, provenance=np.array(prov), **arrays)
+  shape = arrays["inputs"].shape
+  print(f"wrote {args.out}: {shape[0]} batches x {shape[1]} rows x {shape[2]} positions")
+
+
+def cmd_show_batch(args):
+  from maxlm.data import loader, show
+  cfg, data = _open_data(args)
+  _check_step(cfg, args.stage, args.step)
+  batch = loader.stage_dataset(data, args.stage)[args.step]
+  row = show.busiest_row(batch) if args.row is None else args.row
+  if not 0 <= row < len(batch["inputs"]):
+    raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
+  _ensure_parent(args.out)
+  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}")
+  print(f"wrote {args.out}")
+
+
+def cmd_demo(args):
+  from maxlm import demo
+  demo.run(args.config)
+
+
+def _ensure_parent(path):
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+COMMANDS = {"prepare": cmd_prepare, "ledger": cmd_ledger, "batches": cmd_batches,
+            "show-batch": cmd_show_batch, "demo": cmd_demo}
+
+
+def main(argv=None):
+  args = _parser().parse_args(argv)
+  try:
+    COMMANDS[args.command](args)
+  except MaxlmError as e:
+    print(f"maxlm {args.command}: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"maxlm {args.command}: interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:  # a crash: one line, the traceback only on request
+    if os.environ.get("MAXLM_DEBUG"):
+      raise
+    print(f"maxlm {args.command}: internal error: {type(e).__name__}: {e} "
+          f"(set MAXLM_DEBUG=1 for the traceback)", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
