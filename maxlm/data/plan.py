@@ -76,7 +76,10 @@ class Pool:
       self._add(piece)
 
   def fill(self):
+    """Tops the window up; an epoch's last pieces leave it before the next epoch's enter."""
     while len(self.window) < self.p.lookahead:
+      if not self.cut_queue and self.cursor >= len(self.perm) and self.window:
+        break
       self._add(self._next_piece())
 
   def head(self):
@@ -94,19 +97,26 @@ class Pool:
 
   def refit(self):
     """Re-cuts carried pieces for a new stage's row length."""
-    remaining = list(self.cut_queue)
-    self.cut_queue.clear()
-    if remaining:
-      doc, first, last = remaining[0][DOC], remaining[0][START], remaining[-1][END]
-      self.cut_queue.extend(self._cut(doc, first, last, remaining[0][FIM]))
+    runs = []  # maximal runs of back-to-back pieces of one document
+    for piece in self.cut_queue:
+      if runs and runs[-1][-1][DOC] == piece[DOC] and runs[-1][-1][END] == piece[START]:
+        runs[-1].append(piece)
+      else:
+        runs.append([piece])
+    self.cut_queue = collections.deque(
+        p for run in runs for p in self._cut(run[0][DOC], run[0][START], run[-1][END],
+                                             run[0][FIM]))
     carried = list(self.window.values())
     self.window.clear()
     self.by_size.clear()
+    for piece in reversed(carried):
+      if piece[SIZE] <= self.p.seq_len:
+        continue
+      self.cut_queue.extendleft(reversed(self._cut(piece[DOC], piece[START], piece[END],
+                                                   piece[FIM])))
     for piece in carried:
       if piece[SIZE] <= self.p.seq_len:
         self._add(piece)
-      else:
-        self.cut_queue.extendleft(reversed(self._cut(piece[DOC], piece[START], piece[END], 0)))
 
   def _add(self, piece):
     self.seq += 1
@@ -306,12 +316,15 @@ class Planner:
           if piece is None:
             continue
           body = piece[END] - piece[START]
-          if row and len(active) > 1 and not _keeps_shares(i, body, taken, max(largest, body),
-                                                           q, active):
-            continue
-          break
+          if len(active) == 1 or _keeps_shares(i, body, taken, max(largest, body), q, active):
+            break
         else:
-          break
+          if row:
+            break
+          i = min(order, key=lambda j: _worst_share(j, self.pools[j].head()[1], taken, q, active))
+          pool = self.pools[i]  # a row always opens: with the head that strays least
+          seq, piece = pool.head()
+          body = piece[END] - piece[START]
         pool.take(seq)
         pool.fill()
         row.append(piece)
@@ -344,3 +357,9 @@ def _keeps_shares(chosen, body, taken, bound, q, active):
     if abs(q[i] * total - taken[i] - (body if i == chosen else 0)) > bound:
       return False
   return True
+
+
+def _worst_share(chosen, piece, taken, q, active):
+  body = piece[END] - piece[START]
+  total = sum(taken) + body
+  return max(abs(q[i] * total - taken[i] - (body if i == chosen else 0)) for i in active)

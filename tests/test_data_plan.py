@@ -1,0 +1,148 @@
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from maxlm.data import chunk, plan
+
+import datagen
+
+
+def plan_all(planner):
+  """Every stage's blocks: {(s, b): Block}."""
+  return {(s, b): planner.block(s, b) for s in range(len(planner.config.stages))
+          for b in range(planner.num_blocks(s))}
+
+
+def coverage(planner, blocks):
+  """Per-document token coverage counts of planned + still pending pieces."""
+  idx = planner.index
+  cov = [np.zeros(n, np.int64) for n in idx.length]
+  pieces = [(int(blk.doc[k]), int(blk.start[k]), int(blk.end[k]))
+            for blk in blocks.values() for k in range(len(blk.doc))]
+  for pool in planner.pools:
+    pieces += [(p[plan.DOC], p[plan.START], p[plan.END])
+               for p in list(pool.window.values()) + list(pool.cut_queue)]
+  for d, a, b in pieces:
+    cov[d][a:b] += 1
+  return cov
+
+
+def expected_coverage(pool, doc):
+  """Full epochs so far, plus one if the current epoch's cursor has passed the document."""
+  done = max(pool.epoch, 0)
+  current = doc in set(pool.perm[:pool.cursor].tolist()) if pool.epoch >= 0 else False
+  return done + int(current)
+
+
+stage_st = st.tuples(st.sampled_from([16, 32, 64, 128, 256]), st.integers(1, 4),
+                     st.integers(1, 12))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=40),
+       stages=st.lists(stage_st, min_size=1, max_size=3), n_sources=st.integers(1, 3),
+       overlap=st.integers(0, 7), lookahead=st.integers(1, 10), fim_rate=st.sampled_from([0, .5]),
+       seed=st.integers(0, 3), data=st.data())
+def test_every_body_token_exactly_once_per_epoch(lengths, stages, n_sources, overlap, lookahead,
+                                                 fim_rate, seed, data):
+  sources = [f"s{data.draw(st.integers(0, n_sources - 1))}" for _ in lengths]
+  bounds = {i: data.draw(st.sets(st.integers(1, max(1, n - 1)), max_size=5))
+            for i, n in enumerate(lengths)}
+  mem = datagen.MemoryStore(datagen.make_docs(lengths, sources, seed, bounds))
+  cfg = datagen.make_config(
+      [{"seq_len": L, "batch": b, "steps": k} for L, b, k in stages],
+      {"overlap": overlap, "lookahead": lookahead, "shuffle_rows": 4, "block_rows": 8,
+       "fim": {"rate": fim_rate}}, seed)
+  planner = plan.Planner(mem.index, cfg)
+  blocks = plan_all(planner)
+  cov = coverage(planner, blocks)
+  for pool in planner.pools:
+    for d in pool.docs.tolist():
+      assert (cov[d] == expected_coverage(pool, d)).all(), (d, cov[d])
+  for (s, _), blk in blocks.items():
+    L = cfg.stages[s].seq_len
+    for r in range(len(blk.row_ptr) - 1):
+      a, b = blk.row_ptr[r], blk.row_ptr[r + 1]
+      n = mem.index.length[blk.doc[a:b]]
+      used = sum(chunk.positions(int(blk.start[k] == 0), int(blk.ctx[k]),
+                                 int(blk.end[k] - blk.start[k]), int(blk.end[k] == n[k - a]),
+                                 int(blk.fim[k])) for k in range(a, b))
+      assert 0 < used <= L
+      assert all(blk.ctx[k] == min(overlap, blk.start[k]) or blk.start[k] == 0
+                 for k in range(a, b))
+      assert all(blk.fim[k] == 0 or blk.ctx[k] == 0 for k in range(a, b))
+
+
+def worst_quota_drift(lengths, quotas, L, lookahead, seed):
+  """The largest |tokens taken - quota share| over every row, in units of the largest piece."""
+  names = [f"s{i}" for i in range(len(quotas))]
+  sources = [names[i % len(names)] for i in range(len(lengths))]
+  mem = datagen.MemoryStore(datagen.make_docs(lengths, sources, seed))
+  cfg = datagen.make_config([{"seq_len": L, "batch": 4, "steps": 30}],
+                            {"mix": dict(zip(names, quotas)), "lookahead": lookahead,
+                             "shuffle_rows": 8, "block_rows": 40, "overlap": 4}, seed)
+  planner = plan.Planner(mem.index, cfg)
+  q = planner.quotas[0]
+  taken, largest, worst = np.zeros(len(names)), 1, 0.0
+  for b in range(planner.num_blocks(0)):
+    blk = planner.block(0, b)
+    for r in np.argsort(blk.order):  # in packing order (rows are shuffled afterwards)
+      a, e = blk.row_ptr[r], blk.row_ptr[r + 1]
+      body = (blk.end[a:e] - blk.start[a:e]).astype(np.int64)
+      np.add.at(taken, blk.pool[a:e], body)
+      largest = max(largest, int(body.max()))
+      worst = max(worst, float(np.abs(taken - q * taken.sum()).max()) / largest)
+  return worst
+
+
+quota_case = dict(lengths=st.lists(st.integers(1, 900), min_size=6, max_size=60),
+                  L=st.sampled_from([64, 128, 512]), lookahead=st.integers(1, 16),
+                  seed=st.integers(0, 9))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(quota=st.floats(0.02, 0.98), **quota_case)
+def test_two_sources_stay_within_one_piece_of_quota_at_every_row(quota, lengths, L, lookahead,
+                                                                 seed):
+  assert worst_quota_drift(lengths, [quota, 1 - quota], L, lookahead, seed) <= 1.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(quotas=st.lists(st.floats(0.05, 1.0), min_size=3, max_size=4), **quota_case)
+def test_more_sources_stay_near_quota_at_every_row(quotas, lengths, L, lookahead, seed):
+  # Checked by construction when possible; a row opening may stray a little (worst seen 1.13).
+  assert worst_quota_drift(lengths, quotas, L, lookahead, seed) <= 1.5
+
+
+def test_block_is_pure_function_of_stage_and_index():
+  mem = datagen.MemoryStore(datagen.make_docs(list(range(5, 400, 7)), ["a", "b"] * 28 + ["a"], 1))
+  cfg = datagen.make_config([{"seq_len": 64, "batch": 4, "steps": 25},
+                             {"seq_len": 128, "batch": 2, "steps": 20}],
+                            {"mix": {"a": 1, "b": 3}, "shuffle_rows": 4, "block_rows": 12, "overlap": 8})
+  sequential = plan.Planner(mem.index, cfg)
+  expected = plan_all(sequential)
+  for (s, b) in [(1, 2), (0, 3), (1, 0), (0, 0), (1, 3)]:  # jump around, fresh and reused
+    fresh = plan.Planner(mem.index, cfg)
+    for planner in (fresh, sequential):
+      got = planner.block(s, b)
+      for f in ("row_ptr", "pool", "doc", "start", "end", "ctx", "fim", "order"):
+        assert np.array_equal(getattr(got, f), getattr(expected[(s, b)], f)), (s, b, f)
+  snap = sequential.snapshot(1, 2)
+  restored = plan.Planner(mem.index, cfg)
+  restored.seed_snapshot(snap)
+  assert np.array_equal(restored.block(1, 2).doc, expected[(1, 2)].doc)
+  assert restored._state == (1, 3)  # planned from the snapshot, not from stage 0
+
+
+def test_stage_continues_pool_cursors():
+  lengths = [100] * 30
+  mem = datagen.MemoryStore(datagen.make_docs(lengths))
+  one = datagen.make_config([{"seq_len": 128, "batch": 2, "steps": 5}],
+                            {"lookahead": 1, "shuffle_rows": 1, "block_rows": 10})
+  two = datagen.make_config([{"seq_len": 128, "batch": 2, "steps": 5},
+                             {"seq_len": 256, "batch": 2, "steps": 2}],
+                            {"lookahead": 1, "shuffle_rows": 1, "block_rows": 10})
+  first = plan.Planner(mem.index, one).block(0, 0).doc.tolist()
+  both = plan.Planner(mem.index, two)
+  second = both.block(1, 0).doc.tolist()
+  assert both.block(0, 0).doc.tolist() == first
+  assert not set(first) & set(second), "stage 1 must not re-read stage 0's documents"
