@@ -208,10 +208,14 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   if tokenizer_file:
     model_proto = pathlib.Path(tokenizer_file).read_bytes()
   else:
-    sentences = training_sentences(iter_documents(inputs, Report()))
+    first_pass, seen = Report(), []
+    docs = (seen.append(1) or d for d in iter_documents(inputs, first_pass))
     try:
-      model_proto = tokenizer.train(sentences, vocab_size, num_threads=os.cpu_count() or 1)
+      model_proto = tokenizer.train(training_sentences(docs), vocab_size,
+                                    num_threads=os.cpu_count() or 1)
     except RuntimeError as e:
+      if not seen:
+        raise _no_documents(inputs, first_pass) from None
       raise MaxlmError(f"tokenizer training failed: {str(e).splitlines()[-1]} "
                        f"(a smaller --vocab-size may fit this corpus)") from None
   sp = tokenizer.load(model_proto)
@@ -224,9 +228,14 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
     for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
       writer.add(*record)
   if not writer.doc_ids:
-    raise MaxlmError(f"no usable documents in {', '.join(map(str, inputs))} "
-                     f"(rejected: {dict(+report.rejected) or 'none'})")
+    raise _no_documents(inputs, report)
   return writer.finish(report, special, sp.vocab_size(), model_proto, val_fraction)
+
+
+def _no_documents(inputs, report):
+  return MaxlmError(f"no usable documents in {', '.join(map(str, inputs))} "
+                    f"(rejected: {dict(+report.rejected) or 'none'}; "
+                    f"skipped files: {dict(report.skipped_files) or 'none'})")
 
 
 class DataDirWriter:

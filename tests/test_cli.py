@@ -1,0 +1,82 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+import datagen
+
+
+def maxlm(*args):
+  return subprocess.run([sys.executable, "-m", "maxlm.cli", *map(str, args)], capture_output=True,
+                        text=True)
+
+
+@pytest.fixture(scope="module")
+def cfg_path(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cli")
+  lengths = np.random.default_rng(0).integers(1, 150, 120)
+  data_dir = datagen.write_data_dir(root / "data", datagen.make_docs(
+      lengths, ["a" if i % 2 else "b" for i in range(len(lengths))]))
+  path = root / "cfg.yaml"
+  path.write_text(yaml.safe_dump({
+      "data": {"dir": data_dir, "mix": {"a": 1, "b": 1}, "overlap": 4, "shuffle_rows": 2,
+               "block_rows": 8},
+      "stages": [{"seq_len": 32, "batch": 4, "steps": 6}, {"seq_len": 64, "batch": 2, "steps": 4}]}))
+  return path
+
+
+def test_ledger_json_totals_match_batches(cfg_path, tmp_path):
+  proc = maxlm("ledger", cfg_path, "--json")
+  assert proc.returncode == 0, proc.stderr
+  led = json.loads(proc.stdout)
+  out = tmp_path / "b.npz"
+  assert maxlm("batches", cfg_path, "--stage", 1, "--step", 0, "--count", 4, "--out",
+               out).returncode == 0
+  with np.load(out) as z:
+    assert z["inputs"].shape == (4, 2, 64) and z["inputs"].dtype == np.int32
+    st = led["stages"][1]
+    assert sum(e["loss"] for e in st["sources"].values()) == z["loss_mask"].sum()
+    assert st["padding"] == (z["segment_ids"] == 0).sum()
+    prov = json.loads(str(z["provenance"]))
+    assert len(prov) == 4 and len(prov[0]) == 2
+    assert set(prov[0][0][0]) == {"source", "doc_id", "start", "end", "context", "fim"}
+  table = maxlm("ledger", cfg_path)
+  assert "(padding)" in table.stdout and table.returncode == 0
+
+
+def test_batches_host_slices_and_errors(cfg_path, tmp_path):
+  whole, half = tmp_path / "w.npz", tmp_path / "h.npz"
+  assert maxlm("batches", cfg_path, "--step", 2, "--count", 2, "--out", whole).returncode == 0
+  assert maxlm("batches", cfg_path, "--step", 2, "--count", 2, "--hosts", 2, "--host-index", 1,
+               "--out", half).returncode == 0
+  with np.load(whole) as w, np.load(half) as h:
+    assert np.array_equal(w["inputs"][:, 2:], h["inputs"])
+  bad = maxlm("batches", cfg_path, "--step", 99, "--out", whole)
+  assert bad.returncode == 2 and "stage 0 has steps 0..5" in bad.stderr
+  bad = maxlm("batches", cfg_path, "--hosts", 3, "--out", whole)
+  assert bad.returncode == 2 and "not divisible by 3 hosts" in bad.stderr
+  bad = maxlm("ledger", cfg_path, "data.mix.c=1")
+  assert bad.returncode == 2 and "unknown source 'c'" in bad.stderr
+  bad = maxlm("ledger", cfg_path, "data.dir=/nonexistent")
+  assert bad.returncode == 2 and "run `maxlm prepare" in bad.stderr
+
+
+def test_show_batch_writes_png(cfg_path, tmp_path):
+  out = tmp_path / "row.png"
+  proc = maxlm("show-batch", cfg_path, "--stage", 1, "--out", out)
+  assert proc.returncode == 0, proc.stderr
+  assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prepare_cli(tmp_path):
+  src = tmp_path / "in.jsonl"
+  src.write_text("\n".join(json.dumps({"id": f"d{i}", "text": f"Document {i} says hello. " * 20})
+                           for i in range(30)) + "\n{broken\n")
+  proc = maxlm("prepare", src, "--out", tmp_path / "data", "--vocab-size", 320)
+  assert proc.returncode == 0, proc.stderr
+  assert "malformed_json': 1" in proc.stdout
+  manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+  assert manifest["sources"]["in"]["documents"] == 30
