@@ -73,7 +73,8 @@ def test_every_body_token_exactly_once_per_epoch(lengths, stages, n_sources, ove
 
 
 def worst_quota_drift(lengths, quotas, L, lookahead, seed):
-  """The largest |tokens taken - quota share| over every row, in units of the largest piece."""
+  """Over every row, the most any source got ahead of and behind its quota share of body
+  tokens, in units of the largest piece so far."""
   names = [f"s{i}" for i in range(len(quotas))]
   sources = [names[i % len(names)] for i in range(len(lengths))]
   mem = datagen.MemoryStore(datagen.make_docs(lengths, sources, seed))
@@ -82,7 +83,7 @@ def worst_quota_drift(lengths, quotas, L, lookahead, seed):
                              "shuffle_rows": 8, "block_rows": 40, "overlap": 4}, seed)
   planner = plan.Planner(mem.index, cfg)
   q = planner.quotas[0]
-  taken, largest, worst = np.zeros(len(names)), 1, 0.0
+  taken, largest, ahead, behind = np.zeros(len(names)), 1, 0.0, 0.0
   for b in range(planner.num_blocks(0)):
     blk = planner.block(0, b)
     for r in np.argsort(blk.order):  # in packing order (rows are shuffled afterwards)
@@ -90,8 +91,9 @@ def worst_quota_drift(lengths, quotas, L, lookahead, seed):
       body = (blk.end[a:e] - blk.start[a:e]).astype(np.int64)
       np.add.at(taken, blk.pool[a:e], body)
       largest = max(largest, int(body.max()))
-      worst = max(worst, float(np.abs(taken - q * taken.sum()).max()) / largest)
-  return worst
+      drift = (taken - q * taken.sum()) / largest
+      ahead, behind = max(ahead, drift.max()), max(behind, -drift.min())
+  return ahead, behind
 
 
 quota_case = dict(lengths=st.lists(st.integers(1, 900), min_size=6, max_size=60),
@@ -103,14 +105,18 @@ quota_case = dict(lengths=st.lists(st.integers(1, 900), min_size=6, max_size=60)
 @given(quota=st.floats(0.02, 0.98), **quota_case)
 def test_two_sources_stay_within_one_piece_of_quota_at_every_row(quota, lengths, L, lookahead,
                                                                  seed):
-  assert worst_quota_drift(lengths, [quota, 1 - quota], L, lookahead, seed) <= 1.0
+  ahead, behind = worst_quota_drift(lengths, [quota, 1 - quota], L, lookahead, seed)
+  assert ahead <= 1.0 and behind <= 1.0
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(quotas=st.lists(st.floats(0.05, 1.0), min_size=3, max_size=4), **quota_case)
 def test_more_sources_stay_near_quota_at_every_row(quotas, lengths, L, lookahead, seed):
-  # Checked by construction when possible; a row opening may stray a little (worst seen 1.13).
-  assert worst_quota_drift(lengths, quotas, L, lookahead, seed) <= 1.5
+  # No source ever gets a piece ahead (a row opens with a source not ahead of its share); how
+  # far one falls behind is checked by construction, save a forced row opening (worst seen in
+  # 300 random cases: 1.02 pieces).
+  ahead, behind = worst_quota_drift(lengths, quotas, L, lookahead, seed)
+  assert ahead <= 1.0 and behind <= 1.5
 
 
 def test_block_is_pure_function_of_stage_and_index():

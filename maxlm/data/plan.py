@@ -321,8 +321,11 @@ class Planner:
         else:
           if row:
             break
-          i = min(order, key=lambda j: _worst_share(j, self.pools[j].head()[1], taken, q, active))
-          pool = self.pools[i]  # a row always opens: with the head that strays least
+          total = sum(taken)
+          behind = [j for j in order if q[j] * total - taken[j] >= 0]
+          i = min(behind, key=lambda j: _worst_share(j, self.pools[j].head()[1], taken, q, active))
+          pool = self.pools[i]  # a row always opens: with the least straying head of a source
+          # not ahead of its quota (so no source ever gets more than one piece ahead)
           seq, piece = pool.head()
           body = piece[END] - piece[START]
         pool.take(seq)
