@@ -13,7 +13,8 @@ import tensorstore as ts
 
 from maxlm import MaxlmError
 
-_REMOTE = ("gs", "s3", "http", "https")
+_REMOTE = ("gs", "s3", "http", "https", "memory")  # memory:// lets tests take the remote path
+_CONTEXT = ts.Context()
 
 
 def is_local(path):
@@ -60,4 +61,4 @@ def _name(path):
 @functools.lru_cache(maxsize=64)
 def _open(folder):
   url = folder if not is_local(folder) else f"file://{os.path.abspath(folder)}"
-  return ts.KvStore.open(url.rstrip("/") + "/").result()
+  return ts.KvStore.open(url.rstrip("/") + "/", context=_CONTEXT).result()
