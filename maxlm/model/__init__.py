@@ -1,0 +1,1 @@
+"""The decoder: transformer layers, RoPE, segment-aware attention kernels."""
