@@ -61,6 +61,94 @@ class DataConfig:
     self.fim.check(f"{key}.fim")
 
 
+MODEL_SIZES = {  # named sizes; explicit model.* keys override them
+    "tiny": dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384),
+    "150m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048),
+    "1b": dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192),
+    "8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336),
+}
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash", "gpu")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  size: str = "tiny"
+  vocab_size: int = 0  # 0: the data dir's tokenizer decides
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 384
+  tied_embeddings: bool = False
+  norm_eps: float = 1e-5
+  init_std: float = 0.02
+  dtype: str = "bfloat16"  # compute dtype; parameters stay float32
+  remat: str = "full"
+  scan_layers: bool = True
+  loss_chunk: int = 1024  # positions per chunk of the vocabulary projection in the loss
+  z_loss: float = 0.0
+  max_logit: bool = True  # report the largest attention logit (exact; costs a pass on kernels)
+
+  def check(self, key):
+    if self.size not in MODEL_SIZES:
+      raise ConfigError(f"{key}.size: expected one of {', '.join(MODEL_SIZES)}, got {self.size!r}")
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                 "loss_chunk"):
+      _at_least(f"{key}.{name}", getattr(self, name), 1)
+    _at_least(f"{key}.vocab_size", self.vocab_size, 0)
+    if self.n_heads % self.n_kv_heads:
+      raise ConfigError(f"{key}.n_kv_heads: must divide n_heads={self.n_heads}, "
+                        f"got {self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(f"{key}.head_dim: must be even for RoPE, got {self.head_dim}")
+    if self.dtype not in ("bfloat16", "float32"):
+      raise ConfigError(f"{key}.dtype: expected bfloat16 or float32, got {self.dtype!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"{key}.remat: expected one of {', '.join(REMAT_POLICIES)}, "
+                        f"got {self.remat!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  theta: float = 10_000.0
+  scaling: str = "none"  # none | linear | yarn
+  factor: float = 1.0  # context extension factor for linear/yarn
+  original_length: int = 4096  # the length the model was trained at before scaling (yarn)
+
+  def check(self, key):
+    if self.scaling not in ("none", "linear", "yarn"):
+      raise ConfigError(f"{key}.scaling: expected none, linear or yarn, got {self.scaling!r}")
+    if not self.theta > 0 or not self.factor >= 1:
+      raise ConfigError(f"{key}: theta must be > 0 and factor >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1  # -1: the devices left over
+  fsdp: int = 1
+  tensor: int = 1
+  context: int = 1
+
+  def check(self, key):
+    sizes = dataclasses.asdict(self)
+    for name, n in sizes.items():
+      if n == 0 or n < -1:
+        raise ConfigError(f"{key}.{name}: expected a positive size or -1, got {n}")
+    if list(sizes.values()).count(-1) > 1:
+      raise ConfigError(f"{key}: at most one axis may be -1")
+
+
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
+    "batch": ("data", "fsdp"), "length": ("context",), "act_embed": (), "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",), "act_mlp": ("tensor",), "act_vocab": ("tensor",),
+    "embed": ("fsdp",), "vocab": ("tensor",), "q_heads": ("tensor",), "kv_heads": ("tensor",),
+    "mlp": ("tensor",), "head_dim": (), "layers": (), "norm": (),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
   seq_len: int  # positions per row (L)
@@ -69,6 +157,11 @@ class StageConfig:
   tokens: int = 0  # token budget (positions); rounded up to whole steps
   mix: dict[str, float] | None = None  # overrides data.mix for this stage
   name: str = ""
+  rope: RopeConfig = RopeConfig()
+  attention: str = "auto"  # auto | reference | blockwise | splash | gpu
+  block_q: int = 512  # attention tile sizes
+  block_k: int = 512
+  mesh: MeshConfig = MeshConfig()
 
   @property
   def num_steps(self):
@@ -82,6 +175,13 @@ class StageConfig:
     for name, share in (self.mix or {}).items():
       if not share > 0:
         raise ConfigError(f"{key}.mix.{name}: expected a quota > 0, got {share}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ConfigError(f"{key}.attention: expected one of {', '.join(ATTENTION_IMPLS)}, "
+                        f"got {self.attention!r}")
+    _at_least(f"{key}.block_q", self.block_q, 8)
+    _at_least(f"{key}.block_k", self.block_k, 8)
+    self.rope.check(f"{key}.rope")
+    self.mesh.check(f"{key}.mesh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +189,22 @@ class Config:
   stages: tuple[StageConfig, ...]
   seed: int = 0
   run_dir: str = "runs/demo"
+  distributed: bool = False  # call jax.distributed.initialize() (multi-host TPU or GPU jobs)
   data: DataConfig = DataConfig()
+  model: ModelConfig = ModelConfig()
+  rules: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(
+      DEFAULT_RULES))
 
   def check(self, key=""):
+    for name, axes in self.rules.items():
+      for axis in axes:
+        if axis not in MESH_AXES:
+          raise ConfigError(f"rules.{name}: unknown mesh axis {axis!r}; the mesh axes are "
+                            f"{', '.join(MESH_AXES)}")
     if not self.stages:
       raise ConfigError("stages: at least one stage is required")
     self.data.check("data")
+    self.model.check("model")
     for i, stage in enumerate(self.stages):
       stage.check(f"stages.{i}")
 
@@ -155,6 +265,10 @@ def apply_override(raw, item):
 
 
 def from_dict(raw):
+  model = raw.get("model")
+  if isinstance(model, dict):  # a named size fills in what the config does not set
+    size = model.get("size", ModelConfig.size)
+    raw = {**raw, "model": {**MODEL_SIZES.get(size, {}), **model}}
   config = _build(Config, raw, "")
   config.check()
   return config

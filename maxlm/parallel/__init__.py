@@ -1,0 +1,1 @@
+"""Device mesh and logical-axis sharding rules."""
