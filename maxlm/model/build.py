@@ -1,0 +1,94 @@
+"""From config to a runnable model: sharded parameters, the loss, and FLOPs per token."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxlm.model import loss as loss_lib
+from maxlm.model.transformer import Decoder, Settings
+from maxlm.parallel import mesh as mesh_lib
+
+
+def model_for(config, stage_index, mesh=None, vocab_size=None):
+  """The Decoder for one stage (the stage sets RoPE, attention impl and tiles)."""
+  cfg = config.model
+  if vocab_size is not None:
+    cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+  if cfg.vocab_size <= 0:
+    raise ValueError("model.vocab_size is unresolved; pass the tokenizer's vocab size")
+  stage = config.stages[stage_index]
+  settings = Settings(rope=stage.rope, impl=stage.attention, block_q=stage.block_q,
+                      block_k=stage.block_k, mesh=mesh, rules=dict(config.rules))
+  return Decoder(cfg, settings)
+
+
+def _dummy(model, seq_len):
+  """A batch shaped so every mesh axis divides it (init traces the sharded attention too)."""
+  s = model.settings
+  batch = 1
+  if s.mesh is not None:
+    batch = int(np.prod([s.mesh.shape[a] for a in s.rules.get("batch", ())]))
+  z = jnp.zeros((batch, seq_len), jnp.int32)
+  return z, z, z + 1
+
+
+def param_shardings(model, mesh, rules, seq_len=8):
+  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy(model, seq_len)))
+  specs = nn.get_partition_spec(abstract)
+  return nn.logical_to_mesh_sharding(specs, mesh, mesh_lib.rules_list(rules))["params"]
+
+
+def init_params(model, rng, mesh, rules, seq_len=8):
+  """Parameters initialised directly into their shardings (no host copy of the whole model)."""
+  shardings = param_shardings(model, mesh, rules, seq_len)
+
+  def init(key):
+    with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
+      return nn.meta.unbox(model.init(key, *_dummy(model, seq_len))["params"])
+
+  with jax.set_mesh(mesh):
+    return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0):
+  """(loss, aux) for one batch: aux has the NLL sum, loss count and max attention logit."""
+  with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
+    h, head, peak = model.apply({"params": params}, batch["inputs"], batch["positions"],
+                                batch["segment_ids"])
+    loss, sums = loss_lib.chunked_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
+                                                chunk=chunk, z_loss=z_loss)
+  return loss, {**sums, "max_logit": peak}
+
+
+def count_params(params):
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+
+
+def flops_per_token(cfg, seq_len, attended=None):
+  """Training FLOPs (forward + backward) per token.
+
+  6 per weight multiply-add of every matmul (the head included, the embedding lookup not),
+  plus attention: QK^T and PV each cost 2 * heads * head_dim per visible key, times 3 for the
+  backward. `attended` is the mean number of keys a query sees: (L + 1) / 2 for a causal row,
+  or `mean_attended(segment_ids)` for a packed batch.
+  """
+  attended = (seq_len + 1) / 2 if attended is None else attended
+  d, hd = cfg.d_model, cfg.head_dim
+  per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff
+  matmul = cfg.n_layers * per_layer + d * cfg.vocab_size
+  attention = cfg.n_layers * 4 * cfg.n_heads * hd * attended
+  return 6 * matmul + 3 * attention
+
+
+def mean_attended(segment_ids):
+  """Mean keys seen per non-padding query in a packed batch: sum n(n+1)/2 over segments / n."""
+  seg = np.asarray(segment_ids)
+  total, tokens = 0, 0
+  for row in seg:
+    _, counts = np.unique(row[row > 0], return_counts=True)
+    total += int((counts * (counts + 1) // 2).sum())
+    tokens += int(counts.sum())
+  return total / max(tokens, 1)

@@ -1,0 +1,162 @@
+"""The decoder: Llama-style, in Flax Linen, every parameter and activation logically named.
+
+Linen rather than NNX: its parameters are a plain pytree that jit shardings, optax and Orbax
+take as they are, and `nn.scan` stacks the layers so compile time does not grow with depth.
+
+embedding -> n x [RMSNorm -> GQA attention (RoPE on positions) -> RMSNorm -> SwiGLU] -> RMSNorm
+The forward returns the final hidden states and the largest attention logit; the vocabulary
+projection happens inside the chunked loss (`loss`), so [B, L, vocab] is never built whole.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxlm.model import rope as rope_lib
+from maxlm.model.attention import attention
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What one stage decides about the model's forward pass."""
+  rope: Any
+  impl: str = "auto"
+  block_q: int = 512
+  block_k: int = 512
+  mesh: Any = None
+  rules: Any = None  # {logical: mesh axes}
+
+
+def _init(std):
+  return nn.initializers.normal(stddev=std)
+
+
+def constrain(x, names):
+  return nn.with_logical_constraint(x, names)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * scale).astype(self.dtype)
+
+
+def _dense(features, axis, names, std, dtype, name):
+  return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=dtype,
+                         param_dtype=jnp.float32,
+                         kernel_init=nn.with_logical_partitioning(_init(std), names), name=name)
+
+
+class Attention(nn.Module):
+  cfg: Any
+  settings: Settings
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    c, s = self.cfg, self.settings
+    dt = jnp.dtype(c.dtype)
+    out_std = c.init_std / (2 * c.n_layers) ** 0.5
+    q = _dense((c.n_heads, c.head_dim), -1, ("embed", "q_heads", "head_dim"), c.init_std, dt,
+               "query")(x_BxLxD)
+    k = _dense((c.n_kv_heads, c.head_dim), -1, ("embed", "kv_heads", "head_dim"), c.init_std,
+               dt, "key")(x_BxLxD)
+    v = _dense((c.n_kv_heads, c.head_dim), -1, ("embed", "kv_heads", "head_dim"), c.init_std,
+               dt, "value")(x_BxLxD)
+    q_BxLxHxD = constrain(rope_lib.apply(q, positions_BxL, s.rope),
+                          ("batch", "length", "act_heads", None))
+    k_BxLxKxD = constrain(rope_lib.apply(k, positions_BxL, s.rope),
+                          ("batch", "length", "act_kv_heads", None))
+    v_BxLxKxD = constrain(v, ("batch", "length", "act_kv_heads", None))
+    rules = s.rules or {}
+    out, peak = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
+                          block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
+                          batch_axes=tuple(rules.get("batch", ())) or None,
+                          head_axes=tuple(rules.get("act_heads", ())) or None,
+                          max_logit=True)
+    out = constrain(out, ("batch", "length", "act_heads", None))
+    y = _dense(c.d_model, (-2, -1), ("q_heads", "head_dim", "embed"), out_std, dt, "out")(out)
+    return y, peak
+
+
+class Mlp(nn.Module):
+  cfg: Any
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    c = self.cfg
+    dt = jnp.dtype(c.dtype)
+    gate = _dense(c.d_ff, -1, ("embed", "mlp"), c.init_std, dt, "gate")(x_BxLxD)
+    up = _dense(c.d_ff, -1, ("embed", "mlp"), c.init_std, dt, "up")(x_BxLxD)
+    h_BxLxF = constrain(nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    return _dense(c.d_model, -1, ("mlp", "embed"), c.init_std / (2 * c.n_layers) ** 0.5, dt,
+                  "down")(h_BxLxF)
+
+
+class Block(nn.Module):
+  cfg: Any
+  settings: Settings
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    c = self.cfg
+    dt = jnp.dtype(c.dtype)
+    h, peak = Attention(c, self.settings, name="attention")(
+        RMSNorm(c.norm_eps, dt, name="attention_norm")(x_BxLxD), positions_BxL, segment_ids_BxL)
+    x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
+    x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, dt, name="mlp_norm")(x_BxLxD))
+    return constrain(x_BxLxD, ("batch", "length", "act_embed")), peak
+
+
+class Decoder(nn.Module):
+  cfg: Any  # config.ModelConfig with vocab_size resolved
+  settings: Settings
+
+  @nn.compact
+  def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL):
+    c = self.cfg
+    dt = jnp.dtype(c.dtype)
+    table_VxD = self.param("embedding", nn.with_logical_partitioning(
+        _init(1.0 if not c.tied_embeddings else c.init_std), ("vocab", "embed")),
+        (c.vocab_size, c.d_model), jnp.float32)
+    x_BxLxD = constrain(jnp.take(table_VxD.astype(dt), tokens_BxL, axis=0),
+                        ("batch", "length", "act_embed"))
+    block = Block
+    if c.remat != "none":
+      block = nn.remat(Block, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
+    if c.scan_layers:
+      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BxLxD, peaks = stack(c, self.settings, name="layers")(x_BxLxD, positions_BxL,
+                                                             segment_ids_BxL)
+      peak = jnp.max(peaks)
+    else:
+      peak = jnp.float32(-jnp.inf)
+      for i in range(c.n_layers):
+        x_BxLxD, p = block(c, self.settings, name=f"layer_{i}")(x_BxLxD, positions_BxL,
+                                                              segment_ids_BxL)
+        peak = jnp.maximum(peak, p)
+    h_BxLxD = RMSNorm(c.norm_eps, dt, name="final_norm")(x_BxLxD)
+    if c.tied_embeddings:
+      head_DxV = table_VxD.T
+    else:
+      head_DxV = self.param("head", nn.with_logical_partitioning(_init(c.init_std),
+                                                                 ("embed", "vocab")),
+                            (c.d_model, c.vocab_size), jnp.float32)
+    return h_BxLxD, head_DxV, peak
