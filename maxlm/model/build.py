@@ -49,7 +49,7 @@ def init_params(model, rng, mesh, rules, seq_len=8):
     with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
       return nn.meta.unbox(model.init(key, *_dummy(model, seq_len))["params"])
 
-  with jax.set_mesh(mesh):
+  with mesh:  # not jax.set_mesh: flax's scanned logical params then mis-rank their specs
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
