@@ -46,6 +46,13 @@ def _parser():
   p.add_argument("--row", type=int, default=None, help="default: the row with most segments")
   p.add_argument("--out", required=True)
 
+  p = sub.add_parser("train", help="train (or resume) the config's schedule in run_dir")
+  _add_config(p)
+
+  p = sub.add_parser("plot", help="PNG of a run's curves")
+  p.add_argument("run_dir")
+  p.add_argument("--out", help="default: RUN_DIR/curves.png")
+
   p = sub.add_parser("demo", help="the quickstart: embedded corpus -> prepare -> ledger -> batch")
   p.add_argument("--config", default="demo")
   return ap
@@ -123,6 +130,21 @@ def cmd_show_batch(args):
   print(f"wrote {args.out}")
 
 
+def cmd_train(args):
+  from maxlm.train import loop
+  cfg = config_lib.load(args.config, args.overrides)
+  summary = loop.train(cfg)
+  print(f"run_dir: {cfg.run_dir} (metrics.jsonl, TensorBoard events, checkpoints/)")
+  return summary
+
+
+def cmd_plot(args):
+  from maxlm.train import plot
+  out = args.out or os.path.join(args.run_dir, "curves.png")
+  plot.save(args.run_dir, out)
+  print(f"wrote {out}")
+
+
 def cmd_demo(args):
   from maxlm import demo
   demo.run(args.config)
@@ -133,7 +155,8 @@ def _ensure_parent(path):
 
 
 COMMANDS = {"prepare": cmd_prepare, "ledger": cmd_ledger, "batches": cmd_batches,
-            "show-batch": cmd_show_batch, "demo": cmd_demo}
+            "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
+            "demo": cmd_demo}
 
 
 def main(argv=None):

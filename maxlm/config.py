@@ -140,6 +140,41 @@ class MeshConfig:
       raise ConfigError(f"{key}: at most one axis may be -1")
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  lr: float = 3e-3  # peak learning rate
+  min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+  warmup_steps: int = 20
+  schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay)
+  decay_fraction: float = 0.2  # wsd: the share of all steps spent decaying
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1  # never on norm scales
+  decay_embeddings: bool = False  # whether the embedding table (and head) decay too
+  clip: float = 1.0  # global gradient-norm clipping
+  grad_accum: int = 1  # micro-batches per step (the stage batch is split)
+  checkpoint_every: int = 50  # steps; stage boundaries are always saved
+  keep: int = 3  # checkpoints kept
+  eval_every: int = 50  # steps between held-out evaluations (0: only at the end)
+  eval_rows: int = 32  # held-out rows per evaluation
+  async_checkpoints: bool = True
+
+  def check(self, key):
+    if not self.lr > 0:
+      raise ConfigError(f"{key}.lr: expected a number > 0, got {self.lr}")
+    _in_range(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+    _in_range(f"{key}.decay_fraction", self.decay_fraction, 0.0, 1.0)
+    _in_range(f"{key}.b1", self.b1, 0.0, 1.0)
+    _in_range(f"{key}.b2", self.b2, 0.0, 1.0)
+    if self.schedule not in ("cosine", "wsd"):
+      raise ConfigError(f"{key}.schedule: expected cosine or wsd, got {self.schedule!r}")
+    for name in ("warmup_steps", "eval_every"):
+      _at_least(f"{key}.{name}", getattr(self, name), 0)
+    for name in ("grad_accum", "checkpoint_every", "keep", "eval_rows"):
+      _at_least(f"{key}.{name}", getattr(self, name), 1)
+
+
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
     "batch": ("data", "fsdp"), "length": ("context",), "act_embed": (), "act_heads": ("tensor",),
@@ -192,6 +227,7 @@ class Config:
   distributed: bool = False  # call jax.distributed.initialize() (multi-host TPU or GPU jobs)
   data: DataConfig = DataConfig()
   model: ModelConfig = ModelConfig()
+  train: TrainConfig = TrainConfig()
   rules: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(
       DEFAULT_RULES))
 
@@ -205,6 +241,11 @@ class Config:
       raise ConfigError("stages: at least one stage is required")
     self.data.check("data")
     self.model.check("model")
+    self.train.check("train")
+    for i, stage in enumerate(self.stages):
+      if stage.batch % self.train.grad_accum:
+        raise ConfigError(f"stages.{i}.batch={stage.batch} is not divisible by "
+                          f"train.grad_accum={self.train.grad_accum}")
     for i, stage in enumerate(self.stages):
       stage.check(f"stages.{i}")
 

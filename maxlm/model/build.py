@@ -41,6 +41,11 @@ def param_shardings(model, mesh, rules, seq_len=8):
   return nn.logical_to_mesh_sharding(specs, mesh, mesh_lib.rules_list(rules))["params"]
 
 
+def init_params_abstract(model, seq_len=8):
+  """Unboxed parameters, for tracing under jax.eval_shape (no arrays are made)."""
+  return nn.meta.unbox(model.init(jax.random.key(0), *_dummy(model, seq_len))["params"])
+
+
 def init_params(model, rng, mesh, rules, seq_len=8):
   """Parameters initialised directly into their shardings (no host copy of the whole model)."""
   shardings = param_shardings(model, mesh, rules, seq_len)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 
 def chunked_cross_entropy(h_BxLxD, head_DxV, targets_BxL, mask_BxL, *, chunk, z_loss=0.0):
-  """Returns (loss, sums) where sums = {'nll': summed NLL, 'count': loss positions}."""
+  """Returns (loss, sums): sums has 'nll' and 'total' (with z-loss) summed over loss
+  positions, their 'count', and 'nll_BxL' per position (0 where the mask is 0)."""
   b, length, d = h_BxLxD.shape
   chunk = min(chunk, length)
   extra = -length % chunk
@@ -29,10 +30,11 @@ def chunked_cross_entropy(h_BxLxD, head_DxV, targets_BxL, mask_BxL, *, chunk, z_
     lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
     target_BxC = jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], axis=-1)[..., 0]
     m = m_BxC.astype(jnp.float32)
-    nll = (lse_BxC - target_BxC) * m
-    return nll.sum(), (nll + z_loss * lse_BxC ** 2 * m).sum()
+    nll_BxC = (lse_BxC - target_BxC) * m
+    return nll_BxC, (nll_BxC + z_loss * lse_BxC ** 2 * m).sum()
 
   nll, total = jax.lax.map(one, (split(h_BxLxD), split(targets_BxL), split(mask_BxL)))
+  nll_BxL = jnp.moveaxis(nll, 0, 1).reshape(b, -1)[:, :length]
   count = mask_BxL.astype(jnp.float32).sum()
   loss = total.sum() / jnp.maximum(count, 1.0)
-  return loss, {"nll": nll.sum(), "count": count}
+  return loss, {"nll": nll_BxL.sum(), "total": total.sum(), "count": count, "nll_BxL": nll_BxL}

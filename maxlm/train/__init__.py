@@ -1,0 +1,1 @@
+"""Training: optimizer and schedule, the step, checkpoints, metrics and the loop."""
