@@ -49,6 +49,12 @@ def _parser():
   p = sub.add_parser("train", help="train (or resume) the config's schedule in run_dir")
   _add_config(p)
 
+  p = sub.add_parser("verify-restart", help="kill and resume a run; prove nothing changed")
+  _add_config(p)
+  p.add_argument("--kills", type=int, default=3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--workdir", help="default: a new temporary folder")
+
   p = sub.add_parser("plot", help="PNG of a run's curves")
   p.add_argument("run_dir")
   p.add_argument("--out", help="default: RUN_DIR/curves.png")
@@ -138,6 +144,16 @@ def cmd_train(args):
   return summary
 
 
+def cmd_verify_restart(args):
+  from maxlm.train import verify
+  if args.kills < 0:
+    raise MaxlmError(f"--kills must be >= 0, got {args.kills}")
+  if not verify.verify(args.config, args.overrides, args.kills, args.seed, args.workdir):
+    print("restart changed the trajectory", file=sys.stderr)
+    return 1
+  print("bitwise identical")
+
+
 def cmd_plot(args):
   from maxlm.train import plot
   out = args.out or os.path.join(args.run_dir, "curves.png")
@@ -156,13 +172,14 @@ def _ensure_parent(path):
 
 COMMANDS = {"prepare": cmd_prepare, "ledger": cmd_ledger, "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
+            "verify-restart": cmd_verify_restart,
             "demo": cmd_demo}
 
 
 def main(argv=None):
   args = _parser().parse_args(argv)
   try:
-    COMMANDS[args.command](args)
+    code = COMMANDS[args.command](args)
   except MaxlmError as e:
     print(f"maxlm {args.command}: error: {e}", file=sys.stderr)
     return 2
@@ -175,7 +192,7 @@ def main(argv=None):
     print(f"maxlm {args.command}: internal error: {type(e).__name__}: {e} "
           f"(set MAXLM_DEBUG=1 for the traceback)", file=sys.stderr)
     return 1
-  return 0
+  return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":
