@@ -36,6 +36,9 @@ class Checkpoints:
     return sorted(self.manager.all_steps())
 
   def save(self, step, state, meta, iterator=None):
+    if step in self.manager.all_steps():  # one that failed to restore: replace it
+      self.log(f"replacing checkpoint {step}")
+      self.manager.delete(step)
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if iterator is not None:
       items["data"] = grain.checkpoint.CheckpointSave(iterator)

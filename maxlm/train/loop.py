@@ -71,7 +71,11 @@ def validate(config):
       raise MaxlmError(f"stages.{i}.batch={stage.batch} (per micro-batch "
                        f"{stage.batch // config.train.grad_accum}) is not divisible by the "
                        f"{batch_ways} ways the batch is sharded")
-    attention_lib.resolve(stage.attention)
+    impl = attention_lib.resolve(stage.attention)
+    backend = jax.default_backend()
+    if (impl, backend) in (("gpu", "cpu"), ("splash", "cpu")):
+      raise MaxlmError(f"stages.{i}.attention={impl} needs a {'GPU' if impl == 'gpu' else 'TPU'}"
+                       f"; this machine has only a CPU (set stages.{i}.attention=auto)")
     data.rows_per_host(i, jax.process_count())
   return data, vocab
 
@@ -99,6 +103,8 @@ def _state_shardings(model, opt, mesh, rules, seq_len):
   with mesh:
     opt_sh = jax.jit(opt.init).lower(abstract_params).compile().output_shardings
   scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  opt_sh = jax.tree_util.tree_map(  # optimizer counters come back on one device: replicate
+      lambda sh: sh if isinstance(sh, jax.sharding.NamedSharding) else scalar, opt_sh)
   return {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
 
 
@@ -142,8 +148,7 @@ def train(config, *, stop_after=None, log=print):
       shardings = _state_shardings(model, opt, mesh, config.rules, stage.seq_len)
       if state is None:
         state = step_lib.init_state(model, opt, mesh, config.rules, config.seed, stage.seq_len)
-      else:
-        state = jax.device_put(state, shardings)
+      state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
       it, it_start = _iterator(ckpts, summary["resumed_from"], data, s, k0, it_start, log)
       steps = stage.num_steps
       start_time = time.perf_counter()

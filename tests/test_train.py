@@ -1,0 +1,141 @@
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from maxlm import config as config_lib
+from maxlm.train import metrics, optimizer, plot, verify
+
+import datagen
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def small_config(tmp, data_dir, **train):
+  raw = {
+      "seed": 0, "run_dir": str(tmp / "run"),
+      "data": {"dir": data_dir, "mix": {"prose": 0.5, "code": 0.5}, "overlap": 4,
+               "shuffle_rows": 8, "block_rows": 64, "fim": {"rate": 0.2, "sources": ["code"]}},
+      "stages": [{"seq_len": 32, "batch": 8, "steps": 6}, {"seq_len": 64, "batch": 8, "steps": 5}],
+      "model": {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32,
+                "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64, "loss_chunk": 32},
+      "train": {"lr": 0.01, "warmup_steps": 2, "checkpoint_every": 3, "eval_every": 4,
+                "eval_rows": 4, **train}}
+  path = tmp / "cfg.yaml"
+  path.write_text(yaml.safe_dump(raw))
+  return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  rng = np.random.default_rng(0)
+  lengths = rng.lognormal(np.log(40), 0.8, 200).astype(int) + 1
+  sources = ["prose" if i % 2 else "code" for i in range(len(lengths))]
+  return datagen.write_data_dir(tmp_path_factory.mktemp("train") / "data",
+                                datagen.make_docs(lengths, sources), val_fraction=0.1)
+
+
+def maxlm(*args, **kw):
+  return subprocess.run([sys.executable, "-m", "maxlm.cli", *map(str, args)],
+                        capture_output=True, text=True, cwd=ROOT, **kw)
+
+
+def test_schedule_is_continuous_and_decay_skips_norms():
+  train = config_lib.TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+  lr = optimizer.lr_schedule(train, 100)
+  values = [float(lr(i)) for i in range(100)]
+  assert values[10] == pytest.approx(1.0) and values[0] == pytest.approx(0.1)
+  assert values[-1] == pytest.approx(0.1, abs=0.01) and max(values) <= 1.0
+  assert all(abs(a - b) < 0.11 for a, b in zip(values, values[1:])), "no jumps at stages"
+  wsd = optimizer.lr_schedule(config_lib.TrainConfig(lr=1.0, warmup_steps=10,
+                                                     schedule="wsd", decay_fraction=0.2), 100)
+  assert float(wsd(50)) == pytest.approx(1.0) and float(wsd(99)) < 0.2
+  params = {"embedding": 0, "head": 0, "layers": {"attention_norm": {"scale": 0},
+                                                  "mlp": {"up": {"kernel": 0}}}}
+  mask = optimizer.decay_mask(params, decay_embeddings=False)
+  assert mask == {"embedding": False, "head": False,
+                  "layers": {"attention_norm": {"scale": False}, "mlp": {"up": {"kernel": True}}}}
+
+
+def test_event_files_are_valid_tfrecords(tmp_path):
+  assert metrics.crc32c(b"123456789") == 0xE3069283
+  w = metrics.Writer(str(tmp_path))
+  w.write(7, {"loss": 2.5, "fingerprint": "abc"})
+  w.close()
+  (events,) = tmp_path.glob("events.out.tfevents.*")
+  assert metrics.read_events(str(events)) == [(0, {}), (7, {"loss": 2.5})]
+
+
+def test_train_resume_and_plot(tmp_path, data_dir):
+  from maxlm.train import loop
+  cfg = config_lib.load(str(small_config(tmp_path, data_dir)))
+  first = loop.train(cfg, stop_after=4, log=lambda *_: None)
+  assert first["stopped"] and first["step"] == 4
+  rest = loop.train(cfg, log=lambda *_: None)
+  assert rest["resumed_from"] == 4 and not rest["stopped"] and rest["step"] == 11
+  rows = metrics.read_jsonl(cfg.run_dir)
+  for key in ("step", "stage", "loss", "lr", "grad_norm", "param_norm", "max_logit",
+              "tokens_per_s", "mfu", "loss_tokens/prose", "loss_tokens/code"):
+    assert key in rows[-1], key
+  assert any("val_bpb" in r and "val_loss" in r for r in rows)
+  assert [r["stage"] for r in rows] == [0] * 6 + [1] * 5
+  plot.save(cfg.run_dir, str(tmp_path / "curves.png"))
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_config_errors_come_before_compiling(tmp_path, data_dir):
+  path = small_config(tmp_path, data_dir)
+  for override, message in (("stages.0.mesh.data=3", "stages.0.mesh"),
+                            ("stages.1.attention=gpu", "needs a GPU"),
+                            ("data.dir=/nowhere", "run `maxlm prepare"),
+                            ("model.vocab_size=10", "smaller than the tokenizer")):
+    t = time.time()
+    proc = maxlm("train", path, override)
+    assert proc.returncode == 2 and message in proc.stderr, (override, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
+  path = small_config(tmp_path, data_dir, checkpoint_every=1000)
+  proc = subprocess.Popen([sys.executable, "-m", "maxlm.cli", "train", str(path)], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  run_dir = tmp_path / "run"
+  while proc.poll() is None and len(metrics.read_jsonl(str(run_dir))) < 3:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err
+  assert "SIGTERM" in out
+  steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps and steps[-1] == len(metrics.read_jsonl(str(run_dir)))
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
+  path = small_config(tmp_path, data_dir)
+  assert maxlm("train", path).returncode == 0
+  ckpts = tmp_path / "run" / "checkpoints"
+  latest = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+  for f in (ckpts / str(latest) / "state").rglob("*"):
+    if f.is_file() and f.stat().st_size > 0:
+      f.write_bytes(b"\x00garbage" * 3)
+  rerun = maxlm("train", path)
+  assert rerun.returncode == 0, rerun.stderr
+  assert f"checkpoint {latest} is unreadable" in rerun.stdout
+  assert "resumed from checkpoint" in rerun.stdout
+
+
+@pytest.mark.slow
+def test_verify_restart_with_kills_on_eight_devices(tmp_path, data_dir):
+  path = small_config(tmp_path, data_dir)
+  env_devices = os.environ.get("XLA_FLAGS", "")
+  assert "device_count=8" in env_devices  # the subprocesses inherit 8 simulated devices
+  assert verify.verify(str(path), kills=3, workdir=str(tmp_path / "verify"), log=print)
