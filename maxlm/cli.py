@@ -55,6 +55,19 @@ def _parser():
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--workdir", help="default: a new temporary folder")
 
+  p = sub.add_parser("eval", help="held-out loss and bits per byte, per source")
+  p.add_argument("run_dir")
+  p.add_argument("--split", choices=("val", "train"), default="val")
+  p.add_argument("--rows", type=int, default=None, help="rows to evaluate (train.eval_rows)")
+
+  p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
+  p.add_argument("run_dir")
+  p.add_argument("--prompt", required=True)
+  p.add_argument("--max-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.8)
+  p.add_argument("--top-k", type=int, default=40)
+  p.add_argument("--seed", type=int, default=0)
+
   p = sub.add_parser("plot", help="PNG of a run's curves")
   p.add_argument("run_dir")
   p.add_argument("--out", help="default: RUN_DIR/curves.png")
@@ -154,6 +167,50 @@ def cmd_verify_restart(args):
   print("bitwise identical")
 
 
+def cmd_eval(args):
+  import jax
+  from maxlm.data import store
+  from maxlm.eval import bpb, run
+  from maxlm.parallel import mesh as mesh_lib
+  from maxlm.train import step as step_lib
+  config, data, s, mesh, model, params, step = run.open_run(args.run_dir)
+  stage = config.stages[s]
+  nll_fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
+
+  def nll(batch):
+    with mesh:
+      return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules)))
+
+  split = store.VAL if args.split == "val" else store.TRAIN
+  result = bpb.evaluate(nll, data, stage.seq_len, stage.batch, args.rows or
+                        config.train.eval_rows, split)
+  if not result:
+    raise MaxlmError(f"the data has no {args.split} documents to evaluate")
+  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split")
+  print(f"{'source':<12}{'loss/token':>12}{'bits/byte':>12}")
+  for name in ["all"] + data.index.sources:
+    key = "" if name == "all" else f"/{name}"
+    if f"val_loss{key}" in result:
+      print(f"{name:<12}{result[f'val_loss{key}']:>12.4f}"
+            f"{result.get(f'val_bpb{key}', float('nan')):>12.4f}")
+
+
+def cmd_generate(args):
+  from maxlm import io
+  from maxlm.data import tokenizer
+  from maxlm.eval import generate, run
+  if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+    raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
+  config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
+  sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
+  ids = [data.special.bos] + sp.encode(args.prompt)
+  with mesh:
+    out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
+                          temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                          eos_id=data.special.eos)
+  print(args.prompt + sp.decode(out))
+
+
 def cmd_plot(args):
   from maxlm.train import plot
   out = args.out or os.path.join(args.run_dir, "curves.png")
@@ -172,7 +229,8 @@ def _ensure_parent(path):
 
 COMMANDS = {"prepare": cmd_prepare, "ledger": cmd_ledger, "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
-            "verify-restart": cmd_verify_restart,
+            "verify-restart": cmd_verify_restart, "eval": cmd_eval,
+            "generate": cmd_generate,
             "demo": cmd_demo}
 
 

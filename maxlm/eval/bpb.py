@@ -14,10 +14,10 @@ import numpy as np
 from maxlm.data import assemble, chunk, store
 
 
-def heldout_rows(index, seq_len, overlap, min_cut, max_rows):
+def heldout_rows(index, seq_len, overlap, min_cut, max_rows, split=store.VAL):
   """(rows of pieces, set of documents whose every piece made it into a row)."""
   rows, space, complete = [], [], set()
-  for doc in np.flatnonzero(index.split == store.VAL).tolist():
+  for doc in np.flatnonzero(index.split == split).tolist():
     n = int(index.length[doc])
     pos, lvl = index.bounds(doc)
     pieces = [(int(index.source[doc]), doc, a, b, ctx, 0)
@@ -41,12 +41,12 @@ def heldout_rows(index, seq_len, overlap, min_cut, max_rows):
   return rows, complete
 
 
-def evaluate(nll_fn, data, seq_len, batch_rows, max_rows):
+def evaluate(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
   """{'val_loss', 'val_bpb', 'val_loss/<source>', 'val_bpb/<source>'} using nll_fn(batch)->
   per-position NLL [rows, L]."""
   cfg = data.config.data
   index = data.index
-  rows, complete = heldout_rows(index, seq_len, cfg.overlap, cfg.min_cut, max_rows)
+  rows, complete = heldout_rows(index, seq_len, cfg.overlap, cfg.min_cut, max_rows, split)
   if not rows:
     return {}
   names = index.sources

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.model import rope as rope_lib
-from maxlm.model.attention import attention
+from maxlm.model.attention import attention, reference
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -66,6 +66,7 @@ def _dense(features, axis, names, std, dtype, name):
 class Attention(nn.Module):
   cfg: Any
   settings: Settings
+  decode: bool = False  # sampling: keys and values accumulate in the "cache" collection
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
@@ -84,14 +85,38 @@ class Attention(nn.Module):
                           ("batch", "length", "act_kv_heads", None))
     v_BxLxKxD = constrain(v, ("batch", "length", "act_kv_heads", None))
     rules = s.rules or {}
-    out, peak = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
-                          block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
-                          batch_axes=tuple(rules.get("batch", ())) or None,
-                          head_axes=tuple(rules.get("act_heads", ())) or None,
-                          max_logit=True)
+    if self.decode:
+      out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD)
+    else:
+      out, peak = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
+                            block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
+                            batch_axes=tuple(rules.get("batch", ())) or None,
+                            head_axes=tuple(rules.get("act_heads", ())) or None,
+                            max_logit=True)
     out = constrain(out, ("batch", "length", "act_heads", None))
     y = _dense(c.d_model, (-2, -1), ("q_heads", "head_dim", "embed"), out_std, dt, "out")(out)
     return y, peak
+
+  def _cached(self, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD):
+    """One sequence continued: the new keys/values are written at the cache index and the
+    queries (at positions index..index+L-1) attend to everything cached up to themselves.
+    The cache's length is the length of the input it was initialised with."""
+    b, n, kh, d = k_BxLxKxD.shape
+    initialised = self.has_variable("cache", "cached_key")
+    key = self.variable("cache", "cached_key", jnp.zeros, (b, n, kh, d), k_BxLxKxD.dtype)
+    value = self.variable("cache", "cached_value", jnp.zeros, (b, n, kh, d), v_BxLxKxD.dtype)
+    index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    if not initialised:
+      return jnp.zeros_like(q_BxLxHxD), jnp.float32(0)
+    i = index.value
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxD, (0, i, 0, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxD, (0, i, 0, 0))
+    index.value = i + n
+    total = key.value.shape[1]
+    q_pos, k_pos = i + jnp.arange(n), jnp.arange(total)
+    seg_q = jnp.ones((b, n), jnp.int32)
+    seg_k = jnp.where(k_pos < i + n, 1, 0)[None].repeat(b, 0).astype(jnp.int32)
+    return reference.attention(q_BxLxHxD, key.value, value.value, seg_q, seg_k, q_offset=i)
 
 
 class Mlp(nn.Module):
@@ -111,12 +136,13 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   cfg: Any
   settings: Settings
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     c = self.cfg
     dt = jnp.dtype(c.dtype)
-    h, peak = Attention(c, self.settings, name="attention")(
+    h, peak = Attention(c, self.settings, self.decode, name="attention")(
         RMSNorm(c.norm_eps, dt, name="attention_norm")(x_BxLxD), positions_BxL, segment_ids_BxL)
     x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
     x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, dt, name="mlp_norm")(x_BxLxD))
@@ -126,6 +152,7 @@ class Block(nn.Module):
 class Decoder(nn.Module):
   cfg: Any  # config.ModelConfig with vocab_size resolved
   settings: Settings
+  decode: bool = False
 
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL, segment_ids_BxL):
@@ -137,20 +164,20 @@ class Decoder(nn.Module):
     x_BxLxD = constrain(jnp.take(table_VxD.astype(dt), tokens_BxL, axis=0),
                         ("batch", "length", "act_embed"))
     block = Block
-    if c.remat != "none":
+    if c.remat != "none" and not self.decode:
       block = nn.remat(Block, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
     if c.scan_layers:
-      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BxLxD, peaks = stack(c, self.settings, name="layers")(x_BxLxD, positions_BxL,
-                                                             segment_ids_BxL)
+      stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
+                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
+                      length=c.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x_BxLxD, peaks = stack(c, self.settings, self.decode, name="layers")(
+          x_BxLxD, positions_BxL, segment_ids_BxL)
       peak = jnp.max(peaks)
     else:
       peak = jnp.float32(-jnp.inf)
       for i in range(c.n_layers):
-        x_BxLxD, p = block(c, self.settings, name=f"layer_{i}")(x_BxLxD, positions_BxL,
-                                                              segment_ids_BxL)
+        x_BxLxD, p = block(c, self.settings, self.decode, name=f"layer_{i}")(
+            x_BxLxD, positions_BxL, segment_ids_BxL)
         peak = jnp.maximum(peak, p)
     h_BxLxD = RMSNorm(c.norm_eps, dt, name="final_norm")(x_BxLxD)
     if c.tied_embeddings:

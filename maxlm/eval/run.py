@@ -1,0 +1,33 @@
+"""Opening a finished (or running) run_dir: its config, data, model and latest parameters."""
+
+import os
+
+import jax
+
+from maxlm import MaxlmError, config as config_lib
+from maxlm.train import checkpoint, loop, step as step_lib
+
+
+def open_run(run_dir, overrides=()):
+  """(config, data, stage index, mesh, model, params) at the run's latest checkpoint."""
+  path = os.path.join(run_dir, "config.yaml")
+  if not os.path.exists(path):
+    raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
+  config = config_lib.load(path, [*overrides, f"run_dir={run_dir}"])
+  data, vocab = loop.validate(config)
+  ckpts = checkpoint.Checkpoints(run_dir, config.train.keep, False, log=lambda *_: None)
+  try:
+    found = ckpts.latest_readable()
+    if found is None:
+      raise MaxlmError(f"{run_dir} has no readable checkpoint yet")
+    step, meta = found
+    s = min(meta["stage"], len(config.stages) - 1)
+    mesh, model, opt, _, _ = loop._stage_parts(config, s, vocab)
+    shardings = loop._state_shardings(model, opt, mesh, config.rules, config.stages[s].seq_len)
+    abstract = checkpoint.abstract(jax.eval_shape(
+        lambda: step_lib.init_state_abstract(model, opt, config.seed,
+                                             config.stages[s].seq_len)), shardings)
+    state = ckpts.restore(step, abstract)
+  finally:
+    ckpts.close()
+  return config, data, s, mesh, model, state["params"], step
