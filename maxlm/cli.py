@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import sys
+import warnings
 
 from maxlm import MaxlmError, config as config_lib
 
@@ -235,6 +236,7 @@ COMMANDS = {"prepare": cmd_prepare, "ledger": cmd_ledger, "batches": cmd_batches
 
 
 def main(argv=None):
+  warnings.filterwarnings("ignore", category=DeprecationWarning)
   args = _parser().parse_args(argv)
   try:
     code = COMMANDS[args.command](args)

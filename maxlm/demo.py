@@ -1,37 +1,93 @@
-"""`maxlm demo`: the quickstart's main job on the embedded corpus; reruns reuse finished work."""
+"""`maxlm demo`: the quickstart's main job on the embedded corpus; reruns reuse finished work.
 
+corpus -> tokenizer + prepare -> ledger -> train through the demo stages (killed once with
+SIGKILL and resumed, to show the recomputed steps are bit for bit the same) -> bits per byte
+-> three samples -> curves.png.
+"""
+
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 from maxlm import config as config_lib, io
 from maxlm.data import corpus, ledger, loader, prepare, show
+from maxlm.train import metrics
+
+SAMPLE_PROMPTS = ("def ", "The ", "import ")
 
 
 def run(config_name="demo"):
   cfg = config_lib.load(config_name)
+  config_path = config_lib.resolve_path(config_name)
   run_dir = pathlib.Path(cfg.run_dir)
   raw_dir = run_dir / "raw"
   if not (raw_dir / "code.jsonl").exists():
-    print(f"[1/4] building the embedded corpus from this machine's Python in {raw_dir}")
+    print(f"[1/7] building the embedded corpus from this machine's Python in {raw_dir}")
     corpus.build(str(raw_dir))
   else:
-    print(f"[1/4] embedded corpus: reusing {raw_dir}")
+    print(f"[1/7] embedded corpus: reusing {raw_dir}")
   if not io.exists(io.join(cfg.data.dir, "manifest.json")):
-    print(f"[2/4] training the tokenizer and preparing {cfg.data.dir}")
-    manifest = prepare.prepare([str(raw_dir / "prose.jsonl"), str(raw_dir / "code.jsonl")],
-                               cfg.data.dir, vocab_size=4096)
+    print(f"[2/7] training the tokenizer and preparing {cfg.data.dir}")
+    prepare.prepare([str(raw_dir / "prose.jsonl"), str(raw_dir / "code.jsonl")], cfg.data.dir,
+                    vocab_size=4096)
   else:
-    print(f"[2/4] prepared data: reusing {cfg.data.dir}")
-    manifest = None
+    print(f"[2/7] prepared data: reusing {cfg.data.dir}")
   data = loader.Data(cfg)
-  manifest = manifest or data.manifest
-  for name, s in manifest["sources"].items():
+  for name, s in data.manifest["sources"].items():
     print(f"      {name:<8} {s['documents']:>6,} docs {s['tokens']:>10,} tokens")
-  print("[3/4] the ledger of the demo schedule (from the plan, before training)")
+  print("[3/7] the ledger of the demo schedule (from the plan, before training)")
   led = ledger.ledger(data.planner)
   print(ledger.format_table(led, {i: s.name or str(i) for i, s in enumerate(cfg.stages)}))
-  png = run_dir / "batch.png"
   batch = loader.stage_dataset(data, 0)[0]
-  row = show.busiest_row(batch)
-  print(f"[4/4] a picture of stage 0, step 0, row {row}: {png}")
-  show.save_row_png(batch, row, str(png), "demo stage 0 step 0")
-  print(f"done. data: {cfg.data.dir}  corpus: {raw_dir}  batch picture: {png}")
+  show.save_row_png(batch, show.busiest_row(batch), str(run_dir / "batch.png"), "demo")
+  total = sum(st.num_steps for st in cfg.stages)
+  print(f"[4/7] training {total} steps through {len(cfg.stages)} stages in {run_dir}")
+  _train_with_one_kill(config_path, run_dir, cfg)
+  print("[5/7] bits per byte on held-out documents")
+  _cli("eval", str(run_dir))
+  print("[6/7] three samples")
+  for i, prompt in enumerate(SAMPLE_PROMPTS):
+    _cli("generate", str(run_dir), "--prompt", prompt, "--max-tokens", "48", "--seed", str(i))
+  print("[7/7] curves")
+  _cli("plot", str(run_dir))
+  print(f"\ndone. run dir {run_dir}: metrics.jsonl, TensorBoard events, checkpoints/, "
+        f"curves.png, batch.png; data {cfg.data.dir}; corpus {raw_dir}")
+
+
+def _cli(*args):
+  subprocess.run([sys.executable, "-m", "maxlm.cli", *args], check=True)
+
+
+def _train_with_one_kill(config_path, run_dir, cfg):
+  command = [sys.executable, "-m", "maxlm.cli", "train", str(config_path)]
+  logged = metrics.read_jsonl(str(run_dir))
+  total = sum(st.num_steps for st in cfg.stages)
+  if not logged:  # a fresh run: kill it once after its first checkpoint, then resume
+    kill_after = cfg.train.checkpoint_every + cfg.train.checkpoint_every // 2
+    proc = subprocess.Popen(command)
+    while proc.poll() is None and len(metrics.read_jsonl(str(run_dir))) < kill_after:
+      time.sleep(0.05)
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGKILL)
+      proc.wait()
+      print(f"\n      SIGKILL after step {len(metrics.read_jsonl(str(run_dir)))}; resuming")
+  if len({r["step"] for r in metrics.read_jsonl(str(run_dir))}) < total or not (
+      run_dir / "checkpoints").exists():
+    subprocess.run(command, check=True)
+  rows = metrics.read_jsonl(str(run_dir))
+  first = {}
+  repeats = same = 0
+  for row in rows:
+    if row["step"] in first:
+      repeats += 1
+      same += (first[row["step"]]["loss"], first[row["step"]]["fingerprint"]) == (
+          row["loss"], row["fingerprint"])
+    else:
+      first[row["step"]] = row
+  if repeats:
+    verdict = "bit for bit identical" if same == repeats else "DIFFERENT"
+    print(f"      {repeats} steps were recomputed after the kill: losses and batches "
+          f"{verdict}")
