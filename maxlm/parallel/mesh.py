@@ -6,6 +6,7 @@ Every parameter and key activation carries logical axis names (see `model.transf
 
 import dataclasses
 import math
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
