@@ -139,3 +139,18 @@ def test_verify_restart_with_kills_on_eight_devices(tmp_path, data_dir):
   env_devices = os.environ.get("XLA_FLAGS", "")
   assert "device_count=8" in env_devices  # the subprocesses inherit 8 simulated devices
   assert verify.verify(str(path), kills=3, workdir=str(tmp_path / "verify"), log=print)
+
+
+@pytest.mark.slow
+def test_loss_falls_well_below_uniform_on_the_demo_corpus(tmp_path):
+  from maxlm.data import corpus, prepare
+  raw = corpus.build(str(tmp_path / "raw"), bytes_per_source=800_000)
+  manifest = prepare.prepare(raw, str(tmp_path / "data"), vocab_size=2048, progress=False)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+  proc = maxlm("train", "configs/demo.yaml", f"data.dir={tmp_path / 'data'}",
+               f"run_dir={tmp_path / 'run'}", "train.eval_every=0", env=env)
+  assert proc.returncode == 0, proc.stderr
+  losses = [r["loss"] for r in metrics.read_jsonl(str(tmp_path / "run"))]
+  uniform = np.log(manifest["vocab_size"])
+  assert np.mean(losses[:3]) > 0.9 * uniform
+  assert np.mean(losses[-10:]) < 0.75 * uniform, (np.mean(losses[-10:]), uniform)
