@@ -1,23 +1,15 @@
 """Typed run configuration: YAML file + dotted `key=value` overrides, validated before any work.
 
 The schema is the dataclasses below; `load(path, overrides)` returns a `Config` or raises
-`ConfigError` naming the key and what is allowed. Parsing is generic over the dataclass fields,
-so adding a field is one line here and nowhere else.
+`ConfigError` naming the key and what is allowed. Parsing (`typed_yaml`) is generic over the
+dataclass fields, so adding a field is one line here and nowhere else.
 """
 
 import dataclasses
-import difflib
-import pathlib
-import types
-import typing
 
-import yaml
+from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml, resolve_path
 
-from maxlm import MaxlmError
-
-
-class ConfigError(MaxlmError):
-  pass
+__all__ = ["ConfigError", "Config", "load", "from_dict", "to_dict", "resolve_path"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +37,7 @@ class DataConfig:
   prefetch: int = 2  # batches each worker prepares ahead
 
   def check(self, key):
-    for name, share in self.mix.items():
-      if not share > 0:
-        raise ConfigError(f"{key}.mix.{name}: expected a quota > 0, got {share}")
+    _check_mix(f"{key}.mix", self.mix)
     _at_least(f"{key}.overlap", self.overlap, 0)
     _in_range(f"{key}.min_cut", self.min_cut, 0.0, 1.0)
     _at_least(f"{key}.lookahead", self.lookahead, 1)
@@ -207,9 +197,7 @@ class StageConfig:
     _at_least(f"{key}.batch", self.batch, 1)
     if (self.steps > 0) == (self.tokens > 0):
       raise ConfigError(f"{key}: set exactly one of steps or tokens (> 0)")
-    for name, share in (self.mix or {}).items():
-      if not share > 0:
-        raise ConfigError(f"{key}.mix.{name}: expected a quota > 0, got {share}")
+    _check_mix(f"{key}.mix", self.mix or {})
     if self.attention not in ATTENTION_IMPLS:
       raise ConfigError(f"{key}.attention: expected one of {', '.join(ATTENTION_IMPLS)}, "
                         f"got {self.attention!r}")
@@ -261,56 +249,12 @@ def load(path, overrides=()):
   return from_dict(raw)
 
 
-def read_yaml(path):
-  path = resolve_path(path)
-  try:
-    raw = yaml.safe_load(path.read_text())
-  except yaml.YAMLError as e:
-    mark = getattr(e, "problem_mark", None)
-    where = f" line {mark.line + 1}" if mark else ""
-    raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path}: expected a mapping of keys at the top level")
-  return raw
-
-
-def resolve_path(path):
-  """A config path, or a bare name found in ./configs or the repository's configs/."""
-  candidates = [pathlib.Path(path)]
-  if not str(path).endswith((".yaml", ".yml")):
-    name = f"{path}.yaml"
-    candidates += [pathlib.Path("configs") / name,
-                   pathlib.Path(__file__).resolve().parents[1] / "configs" / name]
-  for candidate in candidates:
-    if candidate.is_file():
-      return candidate
-  raise ConfigError(f"config file not found: {path}")
-
-
-def apply_override(raw, item):
-  key, sep, text = item.partition("=")
-  if not sep or not key:
-    raise ConfigError(f"override {item!r}: expected key=value, e.g. data.overlap=64")
-  try:
-    value = yaml.safe_load(text) if text else ""
-  except yaml.YAMLError:
-    value = text
-  node, parts = raw, key.split(".")
-  for depth, part in enumerate(parts[:-1]):
-    node = _child(node, part, ".".join(parts[:depth + 1]), create=True)
-  last = parts[-1]
-  if isinstance(node, list):
-    node[_list_index(node, last, key)] = value
-  else:
-    node[last] = value
-
-
 def from_dict(raw):
   model = raw.get("model")
   if isinstance(model, dict):  # a named size fills in what the config does not set
     size = model.get("size", ModelConfig.size)
     raw = {**raw, "model": {**MODEL_SIZES.get(size, {}), **model}}
-  config = _build(Config, raw, "")
+  config = build(Config, raw)
   config.check()
   return config
 
@@ -326,72 +270,10 @@ def to_dict(config):
   return plain(dataclasses.asdict(config))
 
 
-def _child(node, part, key, create):
-  if isinstance(node, list):
-    return node[_list_index(node, part, key)]
-  if not isinstance(node, dict):
-    raise ConfigError(f"{key}: cannot set a sub-key of a {type(node).__name__}")
-  if part not in node and create:
-    node[part] = {}
-  return node[part]
-
-
-def _list_index(node, part, key):
-  if not part.isdigit() or int(part) >= len(node):
-    raise ConfigError(f"{key}: expected an index 0..{len(node) - 1}, got {part!r}")
-  return int(part)
-
-
-def _build(cls, raw, key):
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{key or 'config'}: expected a mapping, got {raw!r}")
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  hints = typing.get_type_hints(cls)
-  for name in raw:
-    if name not in fields:
-      full = _join(key, name)
-      near = difflib.get_close_matches(str(name), fields, n=1)
-      hint = f"did you mean {_join(key, near[0])!r}? " if near else ""
-      raise ConfigError(f"unknown key {full!r}; {hint}allowed: {', '.join(fields)}")
-  values = {}
-  for name, field in fields.items():
-    if name in raw:
-      values[name] = _convert(hints[name], raw[name], _join(key, name))
-    elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-      raise ConfigError(f"{_join(key, name)}: required key is missing")
-  return cls(**values)
-
-
-def _convert(hint, value, key):
-  origin, args = typing.get_origin(hint), typing.get_args(hint)
-  if origin in (typing.Union, types.UnionType):
-    if value is None and type(None) in args:
-      return None
-    (hint,) = [a for a in args if a is not type(None)]
-    return _convert(hint, value, key)
-  if dataclasses.is_dataclass(hint):
-    return _build(hint, value, key)
-  if origin is tuple:
-    if not isinstance(value, (list, tuple)):
-      raise ConfigError(f"{key}: expected a list, got {value!r}")
-    return tuple(_convert(args[0], v, f"{key}.{i}") for i, v in enumerate(value))
-  if origin is dict:
-    if not isinstance(value, dict):
-      raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
-  if hint is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if hint is int and isinstance(value, float) and value.is_integer():
-    return int(value)
-  if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-    return str(value)
-  if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
-    raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
-  return value
-
-
-def _join(key, name):
-  return f"{key}.{name}" if key else str(name)
+def _check_mix(key, mix):
+  for name, share in mix.items():
+    if not share > 0:
+      raise ConfigError(f"{key}.{name}: expected a quota > 0, got {share}")
 
 
 def _at_least(key, value, low):

@@ -5,7 +5,6 @@ SIGKILL and resumed, to show the recomputed steps are bit for bit the same) -> b
 -> three samples -> curves.png.
 """
 
-import os
 import pathlib
 import signal
 import subprocess

@@ -1,4 +1,3 @@
-import json
 import os
 import pathlib
 import signal
@@ -6,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 import yaml
@@ -97,7 +95,6 @@ def test_config_errors_come_before_compiling(tmp_path, data_dir):
                             ("stages.1.attention=gpu", "needs a GPU"),
                             ("data.dir=/nowhere", "run `maxlm prepare"),
                             ("model.vocab_size=10", "smaller than the tokenizer")):
-    t = time.time()
     proc = maxlm("train", path, override)
     assert proc.returncode == 2 and message in proc.stderr, (override, proc.stderr)
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1

@@ -316,14 +316,15 @@ class Planner:
           if piece is None:
             continue
           body = piece[END] - piece[START]
-          if len(active) == 1 or _keeps_shares(i, body, taken, max(largest, body), q, active):
+          if len(active) == 1 or _worst_share(i, body, taken, q, active) <= max(largest, body):
             break
         else:
           if row:
             break
           total = sum(taken)
           behind = [j for j in order if q[j] * total - taken[j] >= 0]
-          i = min(behind, key=lambda j: _worst_share(j, self.pools[j].head()[1], taken, q, active))
+          i = min(behind, key=lambda j: _worst_share(j, _body(self.pools[j].head()[1]), taken, q,
+                                                     active))
           pool = self.pools[i]  # a row always opens: with the least straying head of a source
           # not ahead of its quota (so no source ever gets more than one piece ahead)
           seq, piece = pool.head()
@@ -353,16 +354,12 @@ class Planner:
                  fim=cols[:, FIM].astype(np.int8), order=order)
 
 
-def _keeps_shares(chosen, body, taken, bound, q, active):
-  """Whether every source stays within `bound` tokens of its quota after taking the piece."""
-  total = sum(taken) + body
-  for i in active:
-    if abs(q[i] * total - taken[i] - (body if i == chosen else 0)) > bound:
-      return False
-  return True
+
+def _body(piece):
+  return piece[END] - piece[START]
 
 
-def _worst_share(chosen, piece, taken, q, active):
-  body = piece[END] - piece[START]
+def _worst_share(chosen, body, taken, q, active):
+  """The largest |tokens taken - quota share| of any source if `chosen` takes `body` tokens."""
   total = sum(taken) + body
   return max(abs(q[i] * total - taken[i] - (body if i == chosen else 0)) for i in active)

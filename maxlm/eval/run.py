@@ -2,10 +2,8 @@
 
 import os
 
-import jax
-
 from maxlm import MaxlmError, config as config_lib
-from maxlm.train import checkpoint, loop, step as step_lib
+from maxlm.train import checkpoint, loop
 
 
 def open_run(run_dir, overrides=()):
@@ -22,12 +20,8 @@ def open_run(run_dir, overrides=()):
       raise MaxlmError(f"{run_dir} has no readable checkpoint yet")
     step, meta = found
     s = min(meta["stage"], len(config.stages) - 1)
-    mesh, model, opt, _, _ = loop._stage_parts(config, s, vocab)
-    shardings = loop._state_shardings(model, opt, mesh, config.rules, config.stages[s].seq_len)
-    abstract = checkpoint.abstract(jax.eval_shape(
-        lambda: step_lib.init_state_abstract(model, opt, config.seed,
-                                             config.stages[s].seq_len)), shardings)
-    state = ckpts.restore(step, abstract)
+    state = loop.restore_state(ckpts, step, config, s, vocab)
   finally:
     ckpts.close()
-  return config, data, s, mesh, model, state["params"], step
+  parts = loop.stage_parts(config, s, vocab)
+  return config, data, s, parts.mesh, parts.model, state["params"], step

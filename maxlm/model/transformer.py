@@ -88,11 +88,12 @@ class Attention(nn.Module):
     if self.decode:
       out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD)
     else:
-      out, peak = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
-                            block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
-                            batch_axes=tuple(rules.get("batch", ())) or None,
-                            head_axes=tuple(rules.get("act_heads", ())) or None,
-                            max_logit=True)
+      result = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
+                         block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
+                         batch_axes=tuple(rules.get("batch", ())) or None,
+                         head_axes=tuple(rules.get("act_heads", ())) or None,
+                         max_logit=c.max_logit)
+      out, peak = result if c.max_logit else (result, jnp.float32(jnp.nan))
     out = constrain(out, ("batch", "length", "act_heads", None))
     y = _dense(c.d_model, (-2, -1), ("q_heads", "head_dim", "embed"), out_std, dt, "out")(out)
     return y, peak
@@ -113,7 +114,7 @@ class Attention(nn.Module):
     value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxD, (0, i, 0, 0))
     index.value = i + n
     total = key.value.shape[1]
-    q_pos, k_pos = i + jnp.arange(n), jnp.arange(total)
+    k_pos = jnp.arange(total)
     seg_q = jnp.ones((b, n), jnp.int32)
     seg_k = jnp.where(k_pos < i + n, 1, 0)[None].repeat(b, 0).astype(jnp.int32)
     return reference.attention(q_BxLxHxD, key.value, value.value, seg_q, seg_k, q_offset=i)

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+import typing
 
 import jax
 import numpy as np
@@ -80,7 +81,17 @@ def validate(config):
   return data, vocab
 
 
-def _stage_parts(config, s, vocab):
+class StageParts(typing.NamedTuple):
+  mesh: typing.Any
+  model: typing.Any
+  opt: typing.Any
+  step: typing.Any  # jitted train step
+  nll: typing.Any  # jitted per-position NLL
+  shardings: dict  # of the train state on this stage's mesh
+
+
+def stage_parts(config, s, vocab):
+  """The stage's mesh, model, optimizer, compiled functions and state shardings (cached)."""
   key = (repr(config), s, vocab)
   if key not in _COMPILED:
     stage = config.stages[s]
@@ -91,7 +102,8 @@ def _stage_parts(config, s, vocab):
     step = jax.jit(step_lib.make_train_step(model, opt, schedule, config.rules, model.cfg,
                                             config.train.grad_accum), donate_argnums=0)
     nll = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
-    _COMPILED[key] = (mesh, model, opt, step, nll)
+    shardings = _state_shardings(model, opt, mesh, config.rules, stage.seq_len)
+    _COMPILED[key] = StageParts(mesh, model, opt, step, nll, shardings)
   return _COMPILED[key]
 
 
@@ -134,7 +146,7 @@ def train(config, *, stop_after=None, log=print):
       if meta.get("planner"):
         data.planner.seed_snapshot(plan.Snapshot(**meta["planner"]))
       try:
-        state = _restore(ckpts, step_no, config, data, stage0, k0, vocab)
+        state = restore_state(ckpts, step_no, config, stage0, vocab)
         summary["resumed_from"] = step_no
         log(f"resumed from checkpoint {step_no} (stage {stage0}, step {k0})")
       except Exception as e:
@@ -144,8 +156,7 @@ def train(config, *, stop_after=None, log=print):
         stage0, k0, consumed, it_start = 0, 0, {}, None
     for s in range(stage0, len(config.stages)):
       stage = config.stages[s]
-      mesh, model, opt, step_fn, nll_fn = _stage_parts(config, s, vocab)
-      shardings = _state_shardings(model, opt, mesh, config.rules, stage.seq_len)
+      mesh, model, opt, step_fn, nll_fn, shardings = stage_parts(config, s, vocab)
       if state is None:
         state = step_lib.init_state(model, opt, mesh, config.rules, config.seed, stage.seq_len)
       state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
@@ -189,12 +200,12 @@ def train(config, *, stop_after=None, log=print):
     ckpts.close()
 
 
-def _restore(ckpts, step_no, config, data, s, k, vocab):
-  mesh, model, opt, _, _ = _stage_parts(config, s, vocab)
-  shardings = _state_shardings(model, opt, mesh, config.rules, config.stages[s].seq_len)
+def restore_state(ckpts, step_no, config, s, vocab):
+  """The train state of checkpoint step_no, placed in stage s's shardings."""
+  parts = stage_parts(config, s, vocab)
   abstract = checkpoint.abstract(jax.eval_shape(
-      lambda: step_lib.init_state_abstract(model, opt, config.seed,
-                                           config.stages[s].seq_len)), shardings)
+      lambda: step_lib.init_state_abstract(parts.model, parts.opt, config.seed,
+                                           config.stages[s].seq_len)), parts.shardings)
   return ckpts.restore(step_no, abstract)
 
 

@@ -145,6 +145,6 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print):
       f"  verdict")
   for row in table:
     log(f"{row[0]:<12}{row[1]:>14}{row[2]:>12}{row[3]:>9}{row[4]:>14}  {row[5]}")
-  log(f"\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events))
+  log("\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events))
   log(f"wall time {time.time() - t0:.0f} s; work dir {work}")
   return ok
