@@ -170,7 +170,7 @@ DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
     "batch": ("data", "fsdp"), "length": ("context",), "act_embed": (), "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",), "act_mlp": ("tensor",), "act_vocab": ("tensor",),
     "embed": ("fsdp",), "vocab": ("tensor",), "q_heads": ("tensor",), "kv_heads": ("tensor",),
-    "mlp": ("tensor",), "head_dim": (), "layers": (), "norm": (),
+    "mlp": ("tensor",), "gate_up": (), "head_dim": (), "layers": (), "norm": (),
 }
 
 

@@ -103,6 +103,31 @@ def test_chunked_loss_equals_full_logits():
     assert np.isclose(float(got_z), want_z, rtol=1e-5)
 
 
+def test_chunked_loss_gradient_equals_autodiff_of_full_logits():
+  rng = np.random.default_rng(1)
+  h = jnp.asarray(rng.normal(size=(2, 50, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
+  t = jnp.asarray(rng.integers(0, 40, (2, 50)))
+  m = jnp.asarray(rng.integers(0, 2, (2, 50)))
+
+  def full(h, w, z):
+    logits = h @ w
+    lse = jax.nn.logsumexp(logits, -1)
+    nll = lse - jnp.take_along_axis(logits, t[..., None], -1)[..., 0]
+    return ((nll + z * lse ** 2) * m).sum() / m.sum()
+
+  for z in (0.0, 1e-2):
+    want = jax.grad(full, argnums=(0, 1))(h, w, z)
+    for chunk in (7, 50):
+      got = jax.grad(lambda h, w: 3.0 * loss_lib.chunked_cross_entropy(
+          h, w, t, m, chunk=chunk, z_loss=z)[0], argnums=(0, 1))(h, w)
+      summed = jax.grad(lambda h, w: loss_lib.chunked_cross_entropy(
+          h, w, t, m, chunk=chunk, z_loss=z)[1]["total"], argnums=(0, 1))(h, w)
+      for g, s, e in zip(got, summed, want):
+        assert np.allclose(g, 3.0 * e, rtol=1e-4, atol=1e-6)
+        assert np.allclose(s, e * float(m.sum()), rtol=1e-4, atol=1e-5)
+
+
 def test_rope_linear_scaling_and_yarn():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, 2, 16)), jnp.float32)
   pos = jnp.arange(0, 24, 4)[None]

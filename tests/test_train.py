@@ -57,10 +57,10 @@ def test_schedule_is_continuous_and_decay_skips_norms():
                                                      schedule="wsd", decay_fraction=0.2), 100)
   assert float(wsd(50)) == pytest.approx(1.0) and float(wsd(99)) < 0.2
   params = {"embedding": 0, "head": 0, "layers": {"attention_norm": {"scale": 0},
-                                                  "mlp": {"up": {"kernel": 0}}}}
+                                                  "mlp": {"gate_up": {"kernel": 0}}}}
   mask = optimizer.decay_mask(params, decay_embeddings=False)
   assert mask == {"embedding": False, "head": False,
-                  "layers": {"attention_norm": {"scale": False}, "mlp": {"up": {"kernel": True}}}}
+                  "layers": {"attention_norm": {"scale": False}, "mlp": {"gate_up": {"kernel": True}}}}
 
 
 def test_event_files_are_valid_tfrecords(tmp_path):

