@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from maxlm import config as config_lib, io
+from maxlm import MaxlmError, config as config_lib, io
 from maxlm.data import corpus, ledger, loader, prepare, show
 from maxlm.train import metrics
 
@@ -57,7 +57,23 @@ def run(config_name="demo"):
 
 
 def _cli(*args):
-  subprocess.run([sys.executable, "-m", "maxlm.cli", *args], check=True)
+  _wait(subprocess.Popen([sys.executable, "-m", "maxlm.cli", *args]))
+
+
+def _wait(proc):
+  """Waits for a child; on Ctrl-C (which the child gets too: training saves a checkpoint and
+  exits) waits for it to finish instead of killing it, so the demo stays resumable."""
+  try:
+    code = proc.wait()
+  except KeyboardInterrupt:
+    _interrupted(proc)
+  if code:
+    raise MaxlmError(f"`maxlm {' '.join(proc.args[3:5])}` failed (exit code {code})")
+
+
+def _interrupted(proc):
+  proc.wait()
+  raise MaxlmError("interrupted; what ran is saved: run `maxlm demo` again to resume") from None
 
 
 def _train_with_one_kill(config_path, run_dir, cfg):
@@ -67,15 +83,18 @@ def _train_with_one_kill(config_path, run_dir, cfg):
   if not logged:  # a fresh run: kill it once after its first checkpoint, then resume
     kill_after = cfg.train.checkpoint_every + cfg.train.checkpoint_every // 2
     proc = subprocess.Popen(command)
-    while proc.poll() is None and len(metrics.read_jsonl(str(run_dir))) < kill_after:
-      time.sleep(0.05)
+    try:
+      while proc.poll() is None and len(metrics.read_jsonl(str(run_dir))) < kill_after:
+        time.sleep(0.05)
+    except KeyboardInterrupt:
+      _interrupted(proc)
     if proc.poll() is None:
       proc.send_signal(signal.SIGKILL)
       proc.wait()
       print(f"\n      SIGKILL after step {len(metrics.read_jsonl(str(run_dir)))}; resuming")
   if len({r["step"] for r in metrics.read_jsonl(str(run_dir))}) < total or not (
       run_dir / "checkpoints").exists():
-    subprocess.run(command, check=True)
+    _wait(subprocess.Popen(command))
   rows = metrics.read_jsonl(str(run_dir))
   first = {}
   repeats = same = 0

@@ -13,7 +13,7 @@ import typing
 
 import yaml
 
-from maxlm import MaxlmError
+from maxlm import MaxlmError, io
 
 
 class ConfigError(MaxlmError):
@@ -21,9 +21,13 @@ class ConfigError(MaxlmError):
 
 
 def read_yaml(path):
-  path = resolve_path(path)
+  if not io.is_local(path):  # a gs:// run_dir's config.yaml
+    text = io.read_bytes(path).decode()
+  else:
+    path = resolve_path(path)
+    text = path.read_text()
   try:
-    raw = yaml.safe_load(path.read_text())
+    raw = yaml.safe_load(text)
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f" line {mark.line + 1}" if mark else ""

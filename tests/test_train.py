@@ -1,3 +1,4 @@
+import json
 import os
 import pathlib
 import signal
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from maxlm import config as config_lib
+from maxlm import MaxlmError, config as config_lib
 from maxlm.train import metrics, optimizer, plot, verify
 
 import datagen
@@ -87,16 +88,26 @@ def test_train_resume_and_plot(tmp_path, data_dir):
   assert [r["stage"] for r in rows] == [0] * 6 + [1] * 5
   plot.save(cfg.run_dir, str(tmp_path / "curves.png"))
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+  other = config_lib.load(str(small_config(tmp_path, data_dir)), ["model.d_ff=96"])
+  with pytest.raises(MaxlmError, match="another model .d_ff 64 there, 96 here"):
+    loop.train(other, log=lambda *_: None)
 
 
 def test_config_errors_come_before_compiling(tmp_path, data_dir):
   path = small_config(tmp_path, data_dir)
-  for override, message in (("stages.0.mesh.data=3", "stages.0.mesh"),
-                            ("stages.1.attention=gpu", "needs a GPU"),
-                            ("data.dir=/nowhere", "run `maxlm prepare"),
-                            ("model.vocab_size=10", "smaller than the tokenizer")):
-    proc = maxlm("train", path, override)
-    assert proc.returncode == 2 and message in proc.stderr, (override, proc.stderr)
+  (tmp_path / "a_file").write_text("")
+  for overrides, message in (
+      (["stages.0.mesh.data=3"], "stages.0.mesh"),
+      (["stages.1.attention=gpu"], "set stages.1.attention=auto"),
+      (["data.dir=/nowhere"], "run `maxlm prepare INPUT... --out /nowhere` first"),
+      (["modle.size=tiny"], "did you mean 'model'"),
+      (["model.vocab_size=10"], "smaller than the tokenizer"),
+      ([f"run_dir={tmp_path / 'a_file' / 'run'}"], "is not writable"),
+      (["stages.0.attention=splash", "stages.0.block_q=24"], "not divisible by the splash"),
+      (["stages.0.seq_len=40", "stages.0.mesh.data=1", "stages.0.mesh.context=8"],
+       "2 x context = 16")):
+    proc = maxlm("train", path, *overrides)
+    assert proc.returncode == 2 and message in proc.stderr, (overrides, proc.stderr)
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
   assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -131,21 +142,22 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_verify_restart_with_kills_on_eight_devices(tmp_path, data_dir):
-  path = small_config(tmp_path, data_dir)
-  env_devices = os.environ.get("XLA_FLAGS", "")
-  assert "device_count=8" in env_devices  # the subprocesses inherit 8 simulated devices
-  assert verify.verify(str(path), kills=3, workdir=str(tmp_path / "verify"), log=print)
+def test_verify_restart_on_the_demo_config_with_three_kills_on_eight_devices(tmp_path,
+                                                                             demo_data):
+  assert "device_count=8" in os.environ["XLA_FLAGS"]  # the subprocesses inherit 8 devices
+  shorter = [f"data.dir={demo_data}", "model.size=tiny", "stages.0.steps=6", "stages.1.steps=5",
+             "stages.2.steps=4", "stages.2.batch=8", "train.checkpoint_every=3",
+             "train.eval_every=4"]
+  assert verify.verify(str(ROOT / "configs" / "demo.yaml"), shorter, kills=3,
+                       workdir=str(tmp_path / "verify"), log=print)
 
 
 @pytest.mark.slow
-def test_loss_falls_well_below_uniform_on_the_demo_corpus(tmp_path):
-  from maxlm.data import corpus, prepare
-  raw = corpus.build(str(tmp_path / "raw"), bytes_per_source=800_000)
-  manifest = prepare.prepare(raw, str(tmp_path / "data"), vocab_size=2048, progress=False)
+def test_loss_falls_well_below_uniform_on_the_demo_corpus(tmp_path, demo_data):
+  manifest = json.loads((demo_data / "manifest.json").read_text())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
-  proc = maxlm("train", "configs/demo.yaml", f"data.dir={tmp_path / 'data'}",
-               f"run_dir={tmp_path / 'run'}", "train.eval_every=0", env=env)
+  proc = maxlm("train", "configs/demo.yaml", f"data.dir={demo_data}",
+               f"run_dir={tmp_path / 'run'}", "train.eval_every=0", "model.size=tiny", env=env)
   assert proc.returncode == 0, proc.stderr
   losses = [r["loss"] for r in metrics.read_jsonl(str(tmp_path / "run"))]
   uniform = np.log(manifest["vocab_size"])

@@ -106,8 +106,9 @@ class DocIndex:
 
 def load_index(data_dir):
   if not io.exists(io.join(data_dir, "index.npz")):
-    raise MaxlmError(f"data.dir {data_dir!r} has no index.npz; run `maxlm prepare INPUT... "
-                     f"--out {data_dir}` first")
+    raise MaxlmError(f"data.dir {data_dir!r} holds no prepared data (no index.npz); run "
+                     f"`maxlm prepare INPUT... --out {data_dir}` first, or `maxlm demo` for "
+                     "the demo's")
   return DocIndex.from_bytes(io.read_bytes(io.join(data_dir, "index.npz")))
 
 

@@ -1,15 +1,13 @@
 """Opening a finished (or running) run_dir: its config, data, model and latest parameters."""
 
-import os
-
-from maxlm import MaxlmError, config as config_lib
+from maxlm import MaxlmError, config as config_lib, io
 from maxlm.train import checkpoint, loop
 
 
 def open_run(run_dir, overrides=()):
   """(config, data, stage index, mesh, model, params) at the run's latest checkpoint."""
-  path = os.path.join(run_dir, "config.yaml")
-  if not os.path.exists(path):
+  path = io.join(run_dir, "config.yaml")
+  if not io.exists(path):
     raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
   config = config_lib.load(path, [*overrides, f"run_dir={run_dir}"])
   data, vocab = loop.validate(config)

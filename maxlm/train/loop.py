@@ -22,7 +22,7 @@ from maxlm.data import ledger, loader, plan
 from maxlm.eval import bpb
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import checkpoint, metrics, optimizer, step as step_lib
+from maxlm.train import checkpoint, metrics, optimizer, rundir, step as step_lib
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 
@@ -57,7 +57,7 @@ def fingerprint(batch):
 def validate(config):
   """Every check that needs no compilation: data, vocabulary, meshes, attention impls."""
   data = loader.Data(config)
-  vocab = config.model.vocab_size or int(data.manifest["vocab_size"])
+  vocab = _vocab(config, data)
   if vocab < int(data.manifest["vocab_size"]):
     raise MaxlmError(f"model.vocab_size={vocab} is smaller than the tokenizer's "
                      f"{data.manifest['vocab_size']}")
@@ -72,13 +72,42 @@ def validate(config):
       raise MaxlmError(f"stages.{i}.batch={stage.batch} (per micro-batch "
                        f"{stage.batch // config.train.grad_accum}) is not divisible by the "
                        f"{batch_ways} ways the batch is sharded")
+    if shape["context"] > 1 and stage.seq_len % (2 * shape["context"]):
+      raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
+                       f"{2 * shape['context']} equal chunks for context parallelism")
     impl = attention_lib.resolve(stage.attention)
+    tiles = {"splash": (stage.block_q, stage.block_k), "gpu": (min(stage.block_q, 128),)}
+    for tile in tiles.get(impl, ()):
+      if stage.seq_len % min(tile, stage.seq_len):
+        raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} is not divisible by the {impl} "
+                         f"kernel's {tile}-token tile; set stages.{i}.block_q/block_k to a "
+                         "divisor of seq_len")
     backend = jax.default_backend()
     if (impl, backend) in (("gpu", "cpu"), ("splash", "cpu")):
       raise MaxlmError(f"stages.{i}.attention={impl} needs a {'GPU' if impl == 'gpu' else 'TPU'}"
                        f"; this machine has only a CPU (set stages.{i}.attention=auto)")
     data.rows_per_host(i, jax.process_count())
   return data, vocab
+
+
+def _vocab(config, data):
+  return config.model.vocab_size or int(data.manifest["vocab_size"])
+
+
+SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+              "tied_embeddings", "scan_layers")
+
+
+def check_same_model(config, vocab, meta):
+  """A checkpoint restores only into the parameter shapes it was saved with."""
+  saved = {**meta["config"]["model"], "vocab": meta.get("vocab", vocab)}
+  here = {**config_lib.to_dict(config)["model"], "vocab": vocab}
+  diff = [f"{k} {saved.get(k)} there, {here[k]} here" for k in (*SHAPE_KEYS, "vocab")
+          if saved.get(k) != here[k]]
+  if diff:
+    raise MaxlmError(f"run_dir {config.run_dir} holds checkpoints of another model "
+                     f"({'; '.join(diff)}): pass a new run_dir=, or the model settings it "
+                     "was trained with")
 
 
 class StageParts(typing.NamedTuple):
@@ -125,12 +154,14 @@ def train(config, *, stop_after=None, log=print):
   in this call before saving and returning (the in-process restart check uses it)."""
   mesh_lib.initialize_distributed(config.distributed)
   data, vocab = validate(config)
-  run_dir = config.run_dir
-  os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+  run_dir = rundir.RunDir(config.run_dir)
+  run_dir.check_writable()
+  run_dir.pull()
+  with open(os.path.join(run_dir.local, "config.yaml"), "w") as f:
     yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
-  ckpts = checkpoint.Checkpoints(run_dir, config.train.keep, config.train.async_checkpoints, log)
-  writer = metrics.Writer(run_dir)
+  ckpts = checkpoint.Checkpoints(config.run_dir, config.train.keep,
+                                 config.train.async_checkpoints, log)
+  writer = metrics.Writer(run_dir.local)
   offsets = np.cumsum([0] + [st.num_steps for st in config.stages])
   total = int(offsets[-1])
   peak = measure_peak_flops()
@@ -141,6 +172,7 @@ def train(config, *, stop_after=None, log=print):
   try:
     while resume is not None and state is None:
       step_no, meta = resume
+      check_same_model(config, vocab, meta)
       stage0, k0, consumed = meta["stage"], meta["stage_step"], meta.get("consumed", {})
       it_start = meta.get("iterator_start")
       if meta.get("planner"):
@@ -186,6 +218,7 @@ def train(config, *, stop_after=None, log=print):
         stop = preempt.signal or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
           _save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start)
+          run_dir.push()
         if stop:
           ckpts.wait()
           log(f"stopped after step {g + 1} ({preempt.signal or 'stop_after'}); "
@@ -198,6 +231,7 @@ def train(config, *, stop_after=None, log=print):
     preempt.restore()
     writer.close()
     ckpts.close()
+    run_dir.push()
 
 
 def restore_state(ckpts, step_no, config, s, vocab):
@@ -231,7 +265,8 @@ def _save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_s
   snap = data.planner.snapshot(s, rows // config.data.block_rows)
   meta = {"stage": s, "stage_step": next_k, "global_step": global_step, "consumed": consumed,
           "iterator_start": it_start if it is not None else None,
-          "planner": checkpoint.snapshot_to_json(snap), "config": config_lib.to_dict(config)}
+          "planner": checkpoint.snapshot_to_json(snap), "config": config_lib.to_dict(config),
+          "vocab": _vocab(config, data)}
   ckpts.save(global_step, state, meta, it)
 
 

@@ -11,6 +11,8 @@ import socket
 import struct
 import time
 
+from maxlm import MaxlmError, io
+
 _CRC_TABLE = []
 for _i in range(256):
   _c = _i
@@ -86,11 +88,19 @@ class Writer:
 
 
 def read_jsonl(run_dir):
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
+  """The rows of run_dir/metrics.jsonl (local or gs://); [] before the first step."""
+  path = io.join(run_dir, "metrics.jsonl")
+  if not io.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  lines = [line for line in io.read_bytes(path).decode().splitlines() if line.strip()]
+  rows = []
+  for n, line in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      if n < len(lines) - 1:  # only the last line can be cut short, by a kill mid-write
+        raise MaxlmError(f"{path} line {n + 1} is not JSON") from None
+  return rows
 
 
 def read_events(path):

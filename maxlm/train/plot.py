@@ -1,11 +1,13 @@
 """`maxlm plot RUN_DIR`: the seven curves of a run as one PNG."""
 
+import io as io_lib
+
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from maxlm import MaxlmError  # noqa: E402
+from maxlm import MaxlmError, io  # noqa: E402
 from maxlm.train import metrics  # noqa: E402
 
 CURVES = ("loss", "val_loss", "lr", "grad_norm", "param_norm", "max_logit", "tokens_per_s")
@@ -32,5 +34,7 @@ def save(run_dir, out):
   axes[-1].set_xlabel("step (dashed: stage boundaries)")
   fig.suptitle(run_dir)
   fig.tight_layout()
-  fig.savefig(out, dpi=80)
+  png = io_lib.BytesIO()
+  fig.savefig(png, format="png", dpi=80)
   plt.close(fig)
+  io.write_bytes(out, png.getvalue())  # a local path or gs://

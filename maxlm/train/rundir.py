@@ -1,0 +1,74 @@
+"""A run's directory, local or in an object store (gs://), through one code path.
+
+Orbax writes checkpoints straight to `run_dir/checkpoints` either way. The small files
+(`config.yaml`, `metrics.jsonl`, TensorBoard event files) are appended to in a local folder,
+which for a local run_dir is the run_dir itself; for an object store it is a mirror under
+`~/.cache/maxlm/runs`, pulled at start and copied up whole through `maxlm.io` at every
+checkpoint and at exit, because objects cannot be appended to. Only process 0 keeps them;
+other processes write into a throwaway folder.
+"""
+
+import os
+import re
+import tempfile
+
+import jax
+
+from maxlm import MaxlmError, io
+
+SMALL_FILES = ("config.yaml", "metrics.jsonl")
+
+
+class RunDir:
+
+  def __init__(self, path):
+    self.path = str(path)
+    self.remote = not io.is_local(self.path)
+    self.primary = jax.process_index() == 0
+    if not self.primary:
+      self.local = tempfile.mkdtemp(prefix="maxlm-run-")
+    elif self.remote:
+      cache = os.environ.get("MAXLM_CACHE", os.path.expanduser("~/.cache/maxlm"))
+      self.local = os.path.join(cache, "runs", re.sub(r"[^\w.-]+", "_", self.path))
+    else:
+      self.local = self.path
+
+  def check_writable(self):
+    """Fails early, with what to do, when the run_dir cannot be written."""
+    probe = io.join(self.path, ".maxlm-write-check")
+    if not self.remote:
+      try:
+        os.makedirs(self.path, exist_ok=True)
+        with open(probe, "w"):
+          pass
+        os.remove(probe)
+      except OSError as e:
+        raise MaxlmError(f"run_dir {self.path} is not writable ({e.strerror}); pass "
+                         "run_dir=A_WRITABLE_FOLDER") from None
+      return
+    try:
+      io.write_bytes(probe, b"")
+    except MaxlmError as e:
+      raise MaxlmError(f"run_dir {self.path} is not writable ({e}); check that the bucket "
+                       "exists and that this machine's account may write to it "
+                       "(roles/storage.objectAdmin)") from None
+
+  def pull(self):
+    """Brings an object-store run's small files into the local mirror (to append to)."""
+    os.makedirs(self.local, exist_ok=True)
+    if not (self.remote and self.primary):
+      return
+    for name in SMALL_FILES:
+      remote = io.join(self.path, name)
+      if io.exists(remote):
+        with open(os.path.join(self.local, name), "wb") as f:
+          f.write(io.read_bytes(remote))
+
+  def push(self):
+    """Copies the local mirror's small files and event files up to the object store."""
+    if not (self.remote and self.primary):
+      return
+    for name in sorted(os.listdir(self.local)):
+      if name in SMALL_FILES or name.startswith("events.out.tfevents."):
+        with open(os.path.join(self.local, name), "rb") as f:
+          io.write_bytes(io.join(self.path, name), f.read())
