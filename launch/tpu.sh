@@ -118,7 +118,7 @@ every restart must see the same checkpoints"
     args=""
     for a in "${train_args[@]}"; do args+=" $(printf '%q' "$a")"; done
     on_workers all "cd \$HOME/maxlm && mkdir -p \$HOME/maxlm-logs && \
-$venv/bin/maxlm train$args run_dir=$run_dir distributed=true 2>&1 | \
+$venv/bin/maxlm train$args run_dir=$(printf %q "$run_dir") distributed=true 2>&1 | \
 tee -a \$HOME/maxlm-logs/train-\$(hostname).log"
     ;;
   logs)
