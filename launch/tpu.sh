@@ -12,12 +12,13 @@
 #   launch/tpu.sh delete --name N --zone Z [--queued]
 #
 # `run` starts the same `maxlm train` on all workers (--worker=all) with distributed=true, so
-# jax.distributed.initialize() joins them; run_dir must be gs:// so every worker and every
-# restart sees the same checkpoints. Rerunning `run` after a preemption resumes.
+# jax.distributed.initialize() joins them, detached from the ssh session (`logs` fetches the
+# output); run_dir must be gs:// so every worker and every restart sees the same checkpoints.
+# After a preemption: delete, create, setup, and `run` again resumes.
 set -euo pipefail
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   exit "${1:-2}"
 }
 
@@ -103,10 +104,12 @@ case "$verb" in
     ;;
   setup)
     tarball="${TMPDIR:-/tmp}/maxlm-src.tar.gz"
-    run tar -czf "$tarball" -C "$repo" --exclude=.git --exclude=runs --exclude='*.egg-info' .
+    run tar -czf "$tarball" -C "$repo" --exclude=.git --exclude=runs --exclude='*.egg-info' \
+      --exclude=.venv --exclude=venv --exclude=__pycache__ .
     run gcloud compute tpus tpu-vm scp "$tarball" "$name:maxlm-src.tar.gz" "${common[@]}" \
       --worker=all
-    on_workers all "set -e; sudo apt-get update -qq; sudo apt-get install -y -qq python3.11 \
+    apt="sudo apt-get -o DPkg::Lock::Timeout=600"  # fresh VMs run unattended-upgrades first
+    on_workers all "set -e; $apt update -qq; $apt install -y -qq python3.11 \
 python3.11-venv; python3.11 -m venv $venv; mkdir -p \$HOME/maxlm; \
 tar -xzf \$HOME/maxlm-src.tar.gz -C \$HOME/maxlm; $venv/bin/pip install -q -U pip; \
 $venv/bin/pip install -q -e \"\$HOME/maxlm[tpu]\"; $venv/bin/python -c 'import jax; print(jax.devices())'"
@@ -117,9 +120,10 @@ $venv/bin/pip install -q -e \"\$HOME/maxlm[tpu]\"; $venv/bin/python -c 'import j
 every restart must see the same checkpoints"
     args=""
     for a in "${train_args[@]}"; do args+=" $(printf '%q' "$a")"; done
-    on_workers all "cd \$HOME/maxlm && mkdir -p \$HOME/maxlm-logs && \
-$venv/bin/maxlm train$args run_dir=$(printf %q "$run_dir") distributed=true 2>&1 | \
-tee -a \$HOME/maxlm-logs/train-\$(hostname).log"
+    # detached, so a dropped ssh session does not stop training; `logs` collects the output
+    on_workers all "cd \$HOME/maxlm && mkdir -p \$HOME/maxlm-logs && nohup setsid \
+$venv/bin/maxlm train$args run_dir=$(printf %q "$run_dir") distributed=true \
+>> \$HOME/maxlm-logs/train-\$(hostname).log 2>&1 < /dev/null & echo started on \$(hostname)"
     ;;
   logs)
     run mkdir -p "$out"

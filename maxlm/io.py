@@ -1,7 +1,7 @@
 """Whole-file reads and writes for local paths and object stores (gs://, s3://) alike.
 
 Everything maxlm writes besides checkpoints (token shards, index, manifest, tokenizer) goes
-through these four functions, which use a TensorStore key-value store for every path, so a
+through these functions, which use a TensorStore key-value store for every path, so a
 `gs://` data dir is read and written by the same code as a local one.
 """
 
@@ -44,6 +44,10 @@ def write_bytes(path, data):
     _open(_parent(path)).write(_name(path), data).result()
   except ValueError as e:
     raise MaxlmError(f"cannot write {path}: {str(e).splitlines()[0]}") from None
+
+
+def delete(path):
+  _open(_parent(path)).delete_range(ts.KvStore.KeyRange(_name(path), _name(path) + "\0")).result()
 
 
 def exists(path):

@@ -52,7 +52,8 @@ def test_tpu_create_setup_run_delete(accelerator, queued):
   assert run[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"] and "--worker=all" in run
   remote = run[-1]
   assert "maxlm train configs/schedule_4k_1m.yaml train.keep=3 run_dir=gs://b/run1" in remote
-  assert "distributed=true" in remote and "tee -a" in remote
+  assert "distributed=true" in remote and "nohup setsid" in remote
+  assert ">> $HOME/maxlm-logs/train-$(hostname).log" in remote
 
   lines, _ = script("launch/tpu.sh", "logs", *base, "--out", "here")
   assert lines[0] == ["mkdir", "-p", "here"] and "--worker=all" in lines[1]

@@ -1,6 +1,7 @@
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def test_train_resume_and_plot(tmp_path, data_dir):
   cfg = config_lib.load(str(small_config(tmp_path, data_dir)))
   first = loop.train(cfg, stop_after=4, log=lambda *_: None)
   assert first["stopped"] and first["step"] == 4
+  shutil.copytree(cfg.run_dir, tmp_path / "moved")
   rest = loop.train(cfg, log=lambda *_: None)
   assert rest["resumed_from"] == 4 and not rest["stopped"] and rest["step"] == 11
   rows = metrics.read_jsonl(cfg.run_dir)
@@ -92,6 +94,18 @@ def test_train_resume_and_plot(tmp_path, data_dir):
   with pytest.raises(MaxlmError, match="another model .d_ff 64 there, 96 here"):
     loop.train(other, log=lambda *_: None)
 
+  # resumed on another mesh: the same batches, losses equal to tolerance
+  moved = config_lib.load(str(small_config(tmp_path, data_dir)), [
+      f"run_dir={tmp_path / 'moved'}", "stages.0.mesh.data=2", "stages.0.mesh.fsdp=4",
+      "stages.1.mesh.data=1", "stages.1.mesh.fsdp=8"])
+  assert loop.train(moved, log=lambda *_: None)["resumed_from"] == 4
+  want = {r["step"]: r for r in rows if r["step"] >= 4}
+  got = {r["step"]: r for r in metrics.read_jsonl(moved.run_dir) if r["step"] >= 4}
+  assert sorted(got) == sorted(want) == list(range(4, 11))
+  for step, row in got.items():
+    assert row["fingerprint"] == want[step]["fingerprint"]
+    assert row["loss"] == pytest.approx(want[step]["loss"], rel=1e-4)
+
 
 def test_config_errors_come_before_compiling(tmp_path, data_dir):
   path = small_config(tmp_path, data_dir)
@@ -103,9 +117,12 @@ def test_config_errors_come_before_compiling(tmp_path, data_dir):
       (["modle.size=tiny"], "did you mean 'model'"),
       (["model.vocab_size=10"], "smaller than the tokenizer"),
       ([f"run_dir={tmp_path / 'a_file' / 'run'}"], "is not writable"),
-      (["stages.0.attention=splash", "stages.0.block_q=24"], "not divisible by the splash"),
+      (["stages.0.attention=splash", "stages.0.block_q=24"], "multiples of 128"),
       (["stages.0.seq_len=40", "stages.0.mesh.data=1", "stages.0.mesh.context=8"],
-       "2 x context = 16")):
+       "2 x context = 16"),
+      (["stages.1.mesh.data=1", "stages.1.mesh.fsdp=4", "stages.1.mesh.tensor=2"],
+       "stages.1.mesh: parameter layers/attention/key/kernel has 1 along 'kv_heads', which the "
+       "mesh splits 2 ways (tensor)")):
     proc = maxlm("train", path, *overrides)
     assert proc.returncode == 2 and message in proc.stderr, (overrides, proc.stderr)
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1

@@ -13,6 +13,7 @@ def test_remote_run_dir_round_trip(tmp_path, monkeypatch):
   first = rundir.RunDir(path)
   assert first.remote and first.local.startswith(str(tmp_path / "cache"))
   first.check_writable()
+  assert not io.exists(io.join(path, ".maxlm-write-check"))
   first.pull()
   writer = metrics.Writer(first.local)
   writer.write(0, {"loss": 3.0, "stage": 0})

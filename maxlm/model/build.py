@@ -41,6 +41,17 @@ def param_shardings(model, mesh, rules, seq_len=8):
   return nn.logical_to_mesh_sharding(specs, mesh, mesh_lib.rules_list(rules))["params"]
 
 
+def param_axes(config, vocab_size):
+  """(path, shape, logical axis names) of every parameter, from an abstract init."""
+  cfg = dataclasses.replace(config.model, vocab_size=vocab_size)
+  model = Decoder(cfg, Settings(rope=config.stages[0].rope, impl="reference"))
+  boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy(model, 8)))["params"]
+  leaves = jax.tree_util.tree_leaves_with_path(
+      boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  return [("/".join(str(getattr(k, "key", k)) for k in path), leaf.value.shape, leaf.names)
+          for path, leaf in leaves]
+
+
 def init_params_abstract(model, seq_len=8):
   """Unboxed parameters, for tracing under jax.eval_shape (no arrays are made)."""
   return nn.meta.unbox(model.init(jax.random.key(0), *_dummy(model, seq_len))["params"])

@@ -62,11 +62,13 @@ def validate(config):
     raise MaxlmError(f"model.vocab_size={vocab} is smaller than the tokenizer's "
                      f"{data.manifest['vocab_size']}")
   n = len(jax.devices())
+  params = build.param_axes(config, vocab)
   for i, stage in enumerate(config.stages):
     try:
       shape = dict(zip(config_lib.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, n)))
     except MaxlmError as e:
       raise MaxlmError(f"stages.{i}.mesh: {e}") from None
+    _check_params_divide(i, shape, config.rules, params)
     batch_ways = int(np.prod([shape[a] for a in config.rules.get("batch", ())]))
     if (stage.batch // config.train.grad_accum) % batch_ways:
       raise MaxlmError(f"stages.{i}.batch={stage.batch} (per micro-batch "
@@ -76,18 +78,27 @@ def validate(config):
       raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
                        f"{2 * shape['context']} equal chunks for context parallelism")
     impl = attention_lib.resolve(stage.attention)
-    tiles = {"splash": (stage.block_q, stage.block_k), "gpu": (min(stage.block_q, 128),)}
-    for tile in tiles.get(impl, ()):
-      if stage.seq_len % min(tile, stage.seq_len):
-        raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} is not divisible by the {impl} "
-                         f"kernel's {tile}-token tile; set stages.{i}.block_q/block_k to a "
-                         "divisor of seq_len")
+    multiple = {"splash": 128, "gpu": 16}.get(impl)  # rows of any length are padded to a tile
+    if multiple and min(stage.block_q, 128 if impl == "gpu" else stage.block_q) % multiple:
+      raise MaxlmError(f"stages.{i}.block_q={stage.block_q}: the {impl} kernel's tiles must be "
+                       f"multiples of {multiple}")
     backend = jax.default_backend()
     if (impl, backend) in (("gpu", "cpu"), ("splash", "cpu")):
       raise MaxlmError(f"stages.{i}.attention={impl} needs a {'GPU' if impl == 'gpu' else 'TPU'}"
                        f"; this machine has only a CPU (set stages.{i}.attention=auto)")
     data.rows_per_host(i, jax.process_count())
   return data, vocab
+
+
+def _check_params_divide(i, shape, rules, params):
+  for path, dims, names in params:
+    for size, name in zip(dims, names):
+      axes = rules.get(name, ()) if name else ()
+      ways = int(np.prod([shape[a] for a in axes]))
+      if size % ways:
+        raise MaxlmError(f"stages.{i}.mesh: parameter {path} has {size} along '{name}', which "
+                         f"the mesh splits {ways} ways ({' x '.join(axes)}); choose mesh sizes "
+                         "that divide it")
 
 
 def _vocab(config, data):
@@ -159,6 +170,7 @@ def train(config, *, stop_after=None, log=print):
   run_dir.pull()
   with open(os.path.join(run_dir.local, "config.yaml"), "w") as f:
     yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
+  run_dir.push()
   ckpts = checkpoint.Checkpoints(config.run_dir, config.train.keep,
                                  config.train.async_checkpoints, log)
   writer = metrics.Writer(run_dir.local)
@@ -184,7 +196,11 @@ def train(config, *, stop_after=None, log=print):
       except Exception as e:
         log(f"checkpoint {step_no} is unreadable ({type(e).__name__}); trying the one before")
         earlier = [s for s in ckpts.steps() if s < step_no]
-        resume = (earlier[-1], ckpts.meta(earlier[-1])) if earlier else None
+        if not earlier:  # never start over silently on top of a run's checkpoints
+          raise MaxlmError(f"no checkpoint in {ckpts.dir} restores into this model (last: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0][:160]}); pass a new "
+                           "run_dir=, or delete that folder to start over") from None
+        resume = (earlier[-1], ckpts.meta(earlier[-1]))
         stage0, k0, consumed, it_start = 0, 0, {}, None
     for s in range(stage0, len(config.stages)):
       stage = config.stages[s]
@@ -230,8 +246,10 @@ def train(config, *, stop_after=None, log=print):
   finally:
     preempt.restore()
     writer.close()
-    ckpts.close()
-    run_dir.push()
+    try:
+      ckpts.close()
+    finally:
+      run_dir.push(log)
 
 
 def restore_state(ckpts, step_no, config, s, vocab):

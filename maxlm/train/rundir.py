@@ -4,12 +4,14 @@ Orbax writes checkpoints straight to `run_dir/checkpoints` either way. The small
 (`config.yaml`, `metrics.jsonl`, TensorBoard event files) are appended to in a local folder,
 which for a local run_dir is the run_dir itself; for an object store it is a mirror under
 `~/.cache/maxlm/runs`, pulled at start and copied up whole through `maxlm.io` at every
-checkpoint and at exit, because objects cannot be appended to. Only process 0 keeps them;
-other processes write into a throwaway folder.
+checkpoint and at exit, because objects cannot be appended to. Only process 0 keeps them
+(and checks that the run_dir is writable); other processes write into a throwaway folder.
 """
 
+import hashlib
 import os
 import re
+import shutil
 import tempfile
 
 import jax
@@ -29,12 +31,15 @@ class RunDir:
       self.local = tempfile.mkdtemp(prefix="maxlm-run-")
     elif self.remote:
       cache = os.environ.get("MAXLM_CACHE", os.path.expanduser("~/.cache/maxlm"))
-      self.local = os.path.join(cache, "runs", re.sub(r"[^\w.-]+", "_", self.path))
+      tag = hashlib.sha256(self.path.encode()).hexdigest()[:12]
+      self.local = os.path.join(cache, "runs", re.sub(r"[^\w.-]+", "_", self.path) + "-" + tag)
     else:
       self.local = self.path
 
   def check_writable(self):
     """Fails early, with what to do, when the run_dir cannot be written."""
+    if not self.primary:
+      return
     probe = io.join(self.path, ".maxlm-write-check")
     if not self.remote:
       try:
@@ -48,13 +53,16 @@ class RunDir:
       return
     try:
       io.write_bytes(probe, b"")
+      io.delete(probe)
     except MaxlmError as e:
       raise MaxlmError(f"run_dir {self.path} is not writable ({e}); check that the bucket "
                        "exists and that this machine's account may write to it "
                        "(roles/storage.objectAdmin)") from None
 
   def pull(self):
-    """Brings an object-store run's small files into the local mirror (to append to)."""
+    """Brings an object-store run's small files into a fresh local mirror (to append to)."""
+    if self.remote and self.primary:
+      shutil.rmtree(self.local, ignore_errors=True)  # the store, not an old mirror, is the truth
     os.makedirs(self.local, exist_ok=True)
     if not (self.remote and self.primary):
       return
@@ -64,11 +72,17 @@ class RunDir:
         with open(os.path.join(self.local, name), "wb") as f:
           f.write(io.read_bytes(remote))
 
-  def push(self):
-    """Copies the local mirror's small files and event files up to the object store."""
+  def push(self, log=None):
+    """Copies the local mirror's small files and event files up to the object store. With
+    `log`, a failure is reported there instead of raised (on the way out of a run)."""
     if not (self.remote and self.primary):
       return
-    for name in sorted(os.listdir(self.local)):
-      if name in SMALL_FILES or name.startswith("events.out.tfevents."):
-        with open(os.path.join(self.local, name), "rb") as f:
-          io.write_bytes(io.join(self.path, name), f.read())
+    try:
+      for name in sorted(os.listdir(self.local)):
+        if name in SMALL_FILES or name.startswith("events.out.tfevents."):
+          with open(os.path.join(self.local, name), "rb") as f:
+            io.write_bytes(io.join(self.path, name), f.read())
+    except (MaxlmError, OSError) as e:
+      if log is None:
+        raise
+      log(f"could not copy metrics to {self.path}: {e}")
