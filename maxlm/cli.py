@@ -49,6 +49,9 @@ def _parser():
 
   p = sub.add_parser("train", help="train (or resume) the config's schedule in run_dir")
   _add_config(p)
+  p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                 help="train N steps in this call, save a checkpoint and exit (for time-limited "
+                      "jobs: rerun to continue)")
 
   p = sub.add_parser("verify-restart", help="kill and resume a run; prove nothing changed")
   _add_config(p)
@@ -153,7 +156,9 @@ def cmd_show_batch(args):
 def cmd_train(args):
   from maxlm.train import loop
   cfg = config_lib.load(args.config, args.overrides)
-  summary = loop.train(cfg)
+  if args.stop_after is not None and args.stop_after < 1:
+    raise MaxlmError(f"--stop-after must be >= 1, got {args.stop_after}")
+  summary = loop.train(cfg, stop_after=args.stop_after)
   print(f"run_dir: {cfg.run_dir} (metrics.jsonl, TensorBoard events, checkpoints/)")
   return summary
 
