@@ -54,7 +54,7 @@ class DataConfig:
 MODEL_SIZES = {  # named sizes; explicit model.* keys override them
     "tiny": dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384),
     # the CPU demo's: d_model 256 is the narrowest width at which a 2-core CPU's f32 GEMMs
-    # run near their peak (34-48% MFU here against 26-30% for tiny; tools/bench_train.py)
+    # run near their peak (34-48% MFU here against 26-35% for tiny; tools/bench_train.py)
     "demo": dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768),
     "150m": dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048),
     "1b": dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192),
