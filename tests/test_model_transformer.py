@@ -85,26 +85,9 @@ def test_loss_is_a_fresh_start_at_each_segment():
   assert np.isclose(float(f(only)), float(f(alone)), rtol=1e-5)
 
 
-def test_chunked_loss_equals_full_logits():
-  rng = np.random.default_rng(0)
-  h = jnp.asarray(rng.normal(size=(2, 50, 16)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
-  t = jnp.asarray(rng.integers(0, 40, (2, 50)))
-  m = jnp.asarray(rng.integers(0, 2, (2, 50)))
-  logits = h @ w
-  lse = jax.nn.logsumexp(logits, -1)
-  nll = lse - jnp.take_along_axis(logits, t[..., None], -1)[..., 0]
-  want = float((nll * m).sum() / m.sum())
-  want_z = float(((nll + 1e-3 * lse ** 2) * m).sum() / m.sum())
-  for chunk in (7, 16, 50):
-    got, sums = loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk)
-    assert np.isclose(float(got), want, rtol=1e-5) and float(sums["count"]) == float(m.sum())
-    got_z, _ = loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk, z_loss=1e-3)
-    assert np.isclose(float(got_z), want_z, rtol=1e-5)
-
-
-def test_chunked_loss_gradient_equals_autodiff_of_full_logits():
-  rng = np.random.default_rng(1)
+def _loss_case(seed):
+  """(h, w, t, m) for a small chunked-loss check, and the same loss from full logits."""
+  rng = np.random.default_rng(seed)
   h = jnp.asarray(rng.normal(size=(2, 50, 16)), jnp.float32)
   w = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
   t = jnp.asarray(rng.integers(0, 40, (2, 50)))
@@ -116,6 +99,21 @@ def test_chunked_loss_gradient_equals_autodiff_of_full_logits():
     nll = lse - jnp.take_along_axis(logits, t[..., None], -1)[..., 0]
     return ((nll + z * lse ** 2) * m).sum() / m.sum()
 
+  return (h, w, t, m), full
+
+
+def test_chunked_loss_equals_full_logits():
+  (h, w, t, m), full = _loss_case(0)
+  want, want_z = float(full(h, w, 0.0)), float(full(h, w, 1e-3))
+  for chunk in (7, 16, 50):
+    got, sums = loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk)
+    assert np.isclose(float(got), want, rtol=1e-5) and float(sums["count"]) == float(m.sum())
+    got_z, _ = loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk, z_loss=1e-3)
+    assert np.isclose(float(got_z), want_z, rtol=1e-5)
+
+
+def test_chunked_loss_gradient_equals_autodiff_of_full_logits():
+  (h, w, t, m), full = _loss_case(1)
   for z in (0.0, 1e-2):
     want = jax.grad(full, argnums=(0, 1))(h, w, z)
     for chunk in (7, 50):

@@ -69,7 +69,7 @@ def _scan(h_NxBxCxD, head_DxV, t_NxBxC, m_NxBxC, z_loss, *, grads):
   def one(dhead_DxV, xs):
     h_BxCxD, t_BxC, m_BxC = xs
     logits_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, head, preferred_element_type=jnp.float32)
-    peak_BxC = jax.lax.stop_gradient(logits_BxCxV.max(-1))
+    peak_BxC = logits_BxCxV.max(-1)
     e_BxCxV = jnp.exp(logits_BxCxV - peak_BxC[..., None])
     sum_BxC = e_BxCxV.sum(-1)
     lse_BxC = peak_BxC + jnp.log(sum_BxC)

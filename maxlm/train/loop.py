@@ -105,20 +105,18 @@ def _vocab(config, data):
   return config.model.vocab_size or int(data.manifest["vocab_size"])
 
 
-SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-              "tied_embeddings", "scan_layers")
-
-
 def check_same_model(config, vocab, meta):
   """A checkpoint restores only into the parameter shapes it was saved with."""
-  saved = {**meta["config"]["model"], "vocab": meta.get("vocab", vocab)}
+  saved_vocab = meta.get("vocab", vocab)
+  shapes = lambda c, v: [(path, shape) for path, shape, _ in build.param_axes(c, v)]
+  if shapes(config_lib.from_dict(meta["config"]), saved_vocab) == shapes(config, vocab):
+    return
+  there = {**meta["config"]["model"], "vocab": saved_vocab}
   here = {**config_lib.to_dict(config)["model"], "vocab": vocab}
-  diff = [f"{k} {saved.get(k)} there, {here[k]} here" for k in (*SHAPE_KEYS, "vocab")
-          if saved.get(k) != here[k]]
-  if diff:
-    raise MaxlmError(f"run_dir {config.run_dir} holds checkpoints of another model "
-                     f"({'; '.join(diff)}): pass a new run_dir=, or the model settings it "
-                     "was trained with")
+  diff = [f"{k} {there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v]
+  raise MaxlmError(f"run_dir {config.run_dir} holds checkpoints of another model "
+                   f"({'; '.join(diff)}): pass a new run_dir=, or the model settings it "
+                   "was trained with")
 
 
 class StageParts(typing.NamedTuple):

@@ -64,9 +64,7 @@ class RunDir:
     if self.remote and self.primary:
       shutil.rmtree(self.local, ignore_errors=True)  # the store, not an old mirror, is the truth
     os.makedirs(self.local, exist_ok=True)
-    if not (self.remote and self.primary):
-      return
-    for name in SMALL_FILES:
+    for name in SMALL_FILES if self.remote and self.primary else ():
       remote = io.join(self.path, name)
       if io.exists(remote):
         with open(os.path.join(self.local, name), "wb") as f:
