@@ -2,7 +2,8 @@
 
 The schema is the dataclasses below; `load(path, overrides)` returns a `Config` or raises
 `ConfigError` naming the key and what is allowed. Parsing (`typed_yaml`) is generic over the
-dataclass fields, so adding a field is one line here and nowhere else.
+dataclass fields, so adding a field is one line here and nowhere else. The comment on a numeric
+field's line states its range (every float must also be finite); `check` enforces it.
 """
 
 import dataclasses
@@ -14,32 +15,32 @@ __all__ = ["ConfigError", "Config", "load", "from_dict", "to_dict", "resolve_pat
 
 @dataclasses.dataclass(frozen=True)
 class FimConfig:
-  rate: float = 0.0  # fraction of eligible pieces turned into fill-in-the-middle
-  spm: float = 0.5  # of those, the fraction in SPM order (the rest PSM)
+  rate: float = 0.0  # in [0, 1]; fraction of eligible pieces turned into fill-in-the-middle
+  spm: float = 0.5  # in [0, 1]; of those, the fraction in SPM order (the rest PSM)
   sources: tuple[str, ...] = ()  # sources eligible for FIM; empty means every non-chat source
 
   def check(self, key):
-    _in_range(f"{key}.rate", self.rate, 0.0, 1.0)
-    _in_range(f"{key}.spm", self.spm, 0.0, 1.0)
+    _in_range(f"{key}.rate", self.rate, 0, 1)
+    _in_range(f"{key}.spm", self.spm, 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   dir: str = "runs/demo/data"  # the folder `maxlm prepare` wrote
-  mix: dict[str, float] = dataclasses.field(default_factory=dict)  # token quota per source
-  overlap: int = 32  # tokens of a cut document carried into the next piece as context
-  min_cut: float = 0.5  # a section/paragraph cut must keep at least this share of the room
-  lookahead: int = 64  # pieces per source the packer may choose from (best fit)
-  shuffle_rows: int = 256  # rows are shuffled within windows of this many rows
-  block_rows: int = 4096  # the planner works (and snapshots) in blocks of this many rows
+  mix: dict[str, float] = dataclasses.field(default_factory=dict)  # > 0; token quota per source
+  overlap: int = 32  # >= 0; tokens of a cut document carried into the next piece as context
+  min_cut: float = 0.5  # in [0, 1]; a section/paragraph cut keeps at least this share of the room
+  lookahead: int = 64  # >= 1; pieces per source the packer may choose from (best fit)
+  shuffle_rows: int = 256  # >= 1; rows are shuffled within windows of this many rows
+  block_rows: int = 4096  # >= 1, a multiple of shuffle_rows; the planner's (and snapshots') unit
   fim: FimConfig = FimConfig()
-  workers: int = 0  # Grain worker processes; batches do not depend on it
-  prefetch: int = 2  # batches each worker prepares ahead
+  workers: int = 0  # >= 0; Grain worker processes; batches do not depend on it
+  prefetch: int = 2  # >= 1; batches each worker prepares ahead
 
   def check(self, key):
     _check_mix(f"{key}.mix", self.mix)
     _at_least(f"{key}.overlap", self.overlap, 0)
-    _in_range(f"{key}.min_cut", self.min_cut, 0.0, 1.0)
+    _in_range(f"{key}.min_cut", self.min_cut, 0, 1)
     _at_least(f"{key}.lookahead", self.lookahead, 1)
     _at_least(f"{key}.shuffle_rows", self.shuffle_rows, 1)
     _at_least(f"{key}.block_rows", self.block_rows, 1)
@@ -67,21 +68,21 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   size: str = "tiny"
-  vocab_size: int = 0  # 0: the data dir's tokenizer decides
-  d_model: int = 128
-  n_layers: int = 2
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  head_dim: int = 32
-  d_ff: int = 384
+  vocab_size: int = 0  # >= 0; 0: the data dir's tokenizer decides
+  d_model: int = 128  # >= 1
+  n_layers: int = 2  # >= 1
+  n_heads: int = 4  # >= 1
+  n_kv_heads: int = 2  # >= 1, divides n_heads
+  head_dim: int = 32  # >= 1, even (RoPE)
+  d_ff: int = 384  # >= 1
   tied_embeddings: bool = False
-  norm_eps: float = 1e-5
-  init_std: float = 0.02
+  norm_eps: float = 1e-5  # > 0; RMSNorm epsilon
+  init_std: float = 0.02  # > 0; standard deviation of the initial weights
   dtype: str = "bfloat16"  # compute dtype; parameters stay float32
   remat: str = "full"
   scan_layers: bool = True
-  loss_chunk: int = 1024  # positions per chunk of the vocabulary projection in the loss
-  z_loss: float = 0.0
+  loss_chunk: int = 1024  # >= 1; positions per chunk of the vocabulary projection in the loss
+  z_loss: float = 0.0  # >= 0; weight of the log-partition (z) loss
   max_logit: bool = True  # report the largest attention logit (exact; costs a pass on kernels)
 
   def check(self, key):
@@ -91,6 +92,9 @@ class ModelConfig:
                  "loss_chunk"):
       _at_least(f"{key}.{name}", getattr(self, name), 1)
     _at_least(f"{key}.vocab_size", self.vocab_size, 0)
+    _above(f"{key}.norm_eps", self.norm_eps, 0)
+    _above(f"{key}.init_std", self.init_std, 0)
+    _at_least(f"{key}.z_loss", self.z_loss, 0)
     if self.n_heads % self.n_kv_heads:
       raise ConfigError(f"{key}.n_kv_heads: must divide n_heads={self.n_heads}, "
                         f"got {self.n_kv_heads}")
@@ -105,24 +109,25 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-  theta: float = 10_000.0
+  theta: float = 10_000.0  # > 0; RoPE base
   scaling: str = "none"  # none | linear | yarn
-  factor: float = 1.0  # context extension factor for linear/yarn
-  original_length: int = 4096  # the length the model was trained at before scaling (yarn)
+  factor: float = 1.0  # >= 1; context extension factor for linear/yarn
+  original_length: int = 4096  # >= 1; the length trained at before scaling (yarn)
 
   def check(self, key):
     if self.scaling not in ("none", "linear", "yarn"):
       raise ConfigError(f"{key}.scaling: expected none, linear or yarn, got {self.scaling!r}")
-    if not self.theta > 0 or not self.factor >= 1:
-      raise ConfigError(f"{key}: theta must be > 0 and factor >= 1")
+    _above(f"{key}.theta", self.theta, 0)
+    _at_least(f"{key}.factor", self.factor, 1)
+    _at_least(f"{key}.original_length", self.original_length, 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  data: int = -1  # -1: the devices left over
-  fsdp: int = 1
-  tensor: int = 1
-  context: int = 1
+  data: int = -1  # >= 1 or -1 (the devices left over; one axis at most)
+  fsdp: int = 1  # >= 1 or -1
+  tensor: int = 1  # >= 1 or -1
+  context: int = 1  # >= 1 or -1
 
   def check(self, key):
     sizes = dataclasses.asdict(self)
@@ -135,31 +140,33 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  lr: float = 3e-3  # peak learning rate
-  min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
-  warmup_steps: int = 20
+  lr: float = 3e-3  # > 0; peak learning rate
+  min_lr_ratio: float = 0.1  # in [0, 1]; the schedule ends at lr * min_lr_ratio
+  warmup_steps: int = 20  # >= 0
   schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay)
-  decay_fraction: float = 0.2  # wsd: the share of all steps spent decaying
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1  # never on norm scales
+  decay_fraction: float = 0.2  # in [0, 1]; wsd: the share of all steps spent decaying
+  b1: float = 0.9  # in [0, 1); Adam (1 divides by zero in the bias correction)
+  b2: float = 0.95  # in [0, 1)
+  eps: float = 1e-8  # > 0
+  weight_decay: float = 0.1  # >= 0; never on norm scales
   decay_embeddings: bool = False  # whether the embedding table (and head) decay too
-  clip: float = 1.0  # global gradient-norm clipping
-  grad_accum: int = 1  # micro-batches per step (the stage batch is split)
-  checkpoint_every: int = 50  # steps; stage boundaries are always saved
-  keep: int = 3  # checkpoints kept
-  eval_every: int = 50  # steps between held-out evaluations (0: only at the end)
-  eval_rows: int = 32  # held-out rows per evaluation
+  clip: float = 1.0  # > 0; global gradient-norm clipping
+  grad_accum: int = 1  # >= 1, divides each stage's batch; micro-batches per step
+  checkpoint_every: int = 50  # >= 1 steps; stage boundaries are always saved
+  keep: int = 3  # >= 1; checkpoints kept
+  eval_every: int = 50  # >= 0; steps between held-out evaluations (0: only at the end)
+  eval_rows: int = 32  # >= 1; held-out rows per evaluation
   async_checkpoints: bool = True
 
   def check(self, key):
-    if not self.lr > 0:
-      raise ConfigError(f"{key}.lr: expected a number > 0, got {self.lr}")
-    _in_range(f"{key}.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-    _in_range(f"{key}.decay_fraction", self.decay_fraction, 0.0, 1.0)
-    _in_range(f"{key}.b1", self.b1, 0.0, 1.0)
-    _in_range(f"{key}.b2", self.b2, 0.0, 1.0)
+    _above(f"{key}.lr", self.lr, 0)
+    _in_range(f"{key}.min_lr_ratio", self.min_lr_ratio, 0, 1)
+    _in_range(f"{key}.decay_fraction", self.decay_fraction, 0, 1)
+    _in_range(f"{key}.b1", self.b1, 0, 1, high_open=True)
+    _in_range(f"{key}.b2", self.b2, 0, 1, high_open=True)
+    _above(f"{key}.eps", self.eps, 0)
+    _at_least(f"{key}.weight_decay", self.weight_decay, 0)
+    _above(f"{key}.clip", self.clip, 0)
     if self.schedule not in ("cosine", "wsd"):
       raise ConfigError(f"{key}.schedule: expected cosine or wsd, got {self.schedule!r}")
     for name in ("warmup_steps", "eval_every"):
@@ -169,6 +176,7 @@ class TrainConfig:
 
 
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+MAX_SEED = 2**32 - 1
 DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
     "batch": ("data", "fsdp"), "length": ("context",), "act_embed": (), "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",), "act_mlp": ("tensor",), "act_vocab": ("tensor",),
@@ -179,16 +187,16 @@ DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
 
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
-  seq_len: int  # positions per row (L)
-  batch: int  # global rows per step
-  steps: int = 0  # optimizer steps in this stage; or set `tokens`
-  tokens: int = 0  # token budget (positions); rounded up to whole steps
-  mix: dict[str, float] | None = None  # overrides data.mix for this stage
+  seq_len: int  # >= 8; positions per row (L)
+  batch: int  # >= 1; global rows per step
+  steps: int = 0  # >= 0; optimizer steps in this stage; or set `tokens`
+  tokens: int = 0  # >= 0; token budget (positions); rounded up to whole steps
+  mix: dict[str, float] | None = None  # > 0; overrides data.mix for this stage
   name: str = ""
   rope: RopeConfig = RopeConfig()
   attention: str = "auto"  # auto | reference | blockwise | splash | gpu
-  block_q: int = 512  # attention tile sizes
-  block_k: int = 512
+  block_q: int = 512  # >= 8; attention tile sizes
+  block_k: int = 512  # >= 8
   mesh: MeshConfig = MeshConfig()
 
   @property
@@ -198,6 +206,8 @@ class StageConfig:
   def check(self, key):
     _at_least(f"{key}.seq_len", self.seq_len, 8)
     _at_least(f"{key}.batch", self.batch, 1)
+    _at_least(f"{key}.steps", self.steps, 0)
+    _at_least(f"{key}.tokens", self.tokens, 0)
     if (self.steps > 0) == (self.tokens > 0):
       raise ConfigError(f"{key}: set exactly one of steps or tokens (> 0)")
     _check_mix(f"{key}.mix", self.mix or {})
@@ -213,7 +223,7 @@ class StageConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
   stages: tuple[StageConfig, ...]
-  seed: int = 0
+  seed: int = 0  # in [0, 2**32 - 1]; jax.random.key keeps 32 bits (larger seeds wrap)
   run_dir: str = "runs/demo"
   distributed: bool = False  # call jax.distributed.initialize() (multi-host TPU or GPU jobs)
   data: DataConfig = DataConfig()
@@ -223,6 +233,7 @@ class Config:
       DEFAULT_RULES))
 
   def check(self, key=""):
+    _in_range("seed", self.seed, 0, MAX_SEED)
     for name, axes in self.rules.items():
       for axis in axes:
         if axis not in MESH_AXES:
@@ -279,11 +290,21 @@ def _check_mix(key, mix):
       raise ConfigError(f"{key}.{name}: expected a quota > 0, got {share}")
 
 
+def _kind(value):
+  return "an integer" if isinstance(value, int) else "a number"
+
+
 def _at_least(key, value, low):
-  if value < low:
-    raise ConfigError(f"{key}: expected an integer >= {low}, got {value}")
+  if not value >= low:
+    raise ConfigError(f"{key}: expected {_kind(value)} >= {low}, got {value}")
 
 
-def _in_range(key, value, low, high):
-  if not low <= value <= high:
-    raise ConfigError(f"{key}: expected a number in [{low}, {high}], got {value}")
+def _above(key, value, low):
+  if not value > low:
+    raise ConfigError(f"{key}: expected {_kind(value)} > {low}, got {value}")
+
+
+def _in_range(key, value, low, high, high_open=False):
+  if not (low <= value < high if high_open else low <= value <= high):
+    bracket = ")" if high_open else "]"
+    raise ConfigError(f"{key}: expected {_kind(value)} in [{low}, {high}{bracket}, got {value}")

@@ -3,11 +3,17 @@
 `build(cls, raw)` converts a parsed mapping into `cls`, naming the key of any unknown field
 (with the closest allowed name), wrong type or missing value; `apply_override` sets
 `a.b.0.c=value` in the raw mapping first. The schema itself lives in `maxlm.config`.
+
+Files and override values are read as YAML 1.2 floats (`1e-3`, `1E5`, `-.5` are numbers, which
+YAML 1.1 leaves as strings), a key given twice is an error, and every float must be finite.
+A number given to a str field keeps the text it was written as (`name: 1e3` is "1e3").
 """
 
 import dataclasses
 import difflib
+import math
 import pathlib
+import re
 import types
 import typing
 
@@ -20,6 +26,82 @@ class ConfigError(MaxlmError):
   pass
 
 
+_FLOAT = "tag:yaml.org,2002:float"
+
+
+class Loader(yaml.SafeLoader):
+  """SafeLoader with YAML 1.2 floats: an exponent needs no dot or sign (1e-3, 1E5), and a
+  leading dot may carry a sign (-.5). YAML 1.1's forms (1.5, 1_000.5, .inf, .nan) stay."""
+
+
+Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+Loader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
+    [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+  | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+  | [-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+  | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+  | [-+]?\.(?:inf|Inf|INF)
+  | \.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+class _Float(float):
+  """A float that remembers how it was written (for str fields)."""
+
+
+class _Int(int):
+  """An int that remembers how it was written (for str fields)."""
+
+
+def _as_written(kind, construct):
+  def constructor(loader, node):
+    value = kind(construct(loader, node))
+    value.text = node.value
+    return value
+  return constructor
+
+
+Loader.add_constructor(_FLOAT, _as_written(_Float, yaml.SafeLoader.construct_yaml_float))
+Loader.add_constructor("tag:yaml.org,2002:int",
+                       _as_written(_Int, yaml.SafeLoader.construct_yaml_int))
+
+
+def parse(text):
+  """(value, duplicate): the YAML document in `text`, and the first key given twice in one
+  mapping as (dotted key, first line, second line), or None."""
+  loader = Loader(text)
+  try:
+    node = loader.get_single_node()
+    duplicate = _duplicate(node, "", set()) if node is not None else None
+    return (loader.construct_document(node) if node is not None else None), duplicate
+  finally:
+    loader.dispose()
+
+
+def _duplicate(node, key, seen):
+  if id(node) in seen:  # an alias met again
+    return None
+  seen.add(id(node))
+  if isinstance(node, yaml.MappingNode):
+    lines = {}
+    for k, v in node.value:
+      name = _join(key, k.value) if isinstance(k, yaml.ScalarNode) else None
+      if name is not None and k.value != "<<":
+        if name in lines:
+          return name, lines[name], k.start_mark.line + 1
+        lines[name] = k.start_mark.line + 1
+      found = _duplicate(v, name or key, seen)
+      if found:
+        return found
+  elif isinstance(node, yaml.SequenceNode):
+    for i, v in enumerate(node.value):
+      found = _duplicate(v, _join(key, i), seen)
+      if found:
+        return found
+  return None
+
+
 def read_yaml(path):
   if not io.is_local(path):  # a gs:// run_dir's config.yaml
     text = io.read_bytes(path).decode()
@@ -27,11 +109,15 @@ def read_yaml(path):
     path = resolve_path(path)
     text = path.read_text()
   try:
-    raw = yaml.safe_load(text)
+    raw, duplicate = parse(text)
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f" line {mark.line + 1}" if mark else ""
     raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+  if duplicate:
+    name, first, second = duplicate
+    raise ConfigError(f"{path}: duplicate key {name!r} at lines {first} and {second}; "
+                      "give each key once")
   if not isinstance(raw, dict):
     raise ConfigError(f"{path}: expected a mapping of keys at the top level")
   return raw
@@ -55,9 +141,12 @@ def apply_override(raw, item):
   if not sep or not key:
     raise ConfigError(f"override {item!r}: expected key=value, e.g. data.overlap=64")
   try:
-    value = yaml.safe_load(text) if text else ""
+    value, duplicate = parse(text) if text else ("", None)
   except yaml.YAMLError:
-    value = text
+    value, duplicate = text, None
+  if duplicate:
+    raise ConfigError(f"override {item!r}: duplicate key {_join(key, duplicate[0])!r}; "
+                      "give each key once")
   node, parts = raw, key.split(".")
   for depth, part in enumerate(parts[:-1]):
     node = _child(node, part, ".".join(parts[:depth + 1]), create=True)
@@ -120,15 +209,36 @@ def _convert(hint, value, key):
   if origin is dict:
     if not isinstance(value, dict):
       raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
-  if hint is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
+    return {_text(k): _convert(args[1], v, f"{key}.{_text(k)}") for k, v in value.items()}
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is float and number:
+    try:
+      value = float(value)
+    except OverflowError:  # an int literal beyond a float's range
+      value = math.inf
+    if not math.isfinite(value):
+      raise ConfigError(f"{key}: expected a finite number, got {value}")
+    return value
   if hint is int and isinstance(value, float) and value.is_integer():
     return int(value)
-  if hint is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-    return str(value)
+  if hint is str and number:
+    return _text(value)
   if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
-    raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+    raise ConfigError(f"{key}: expected {hint.__name__}, got {_plain(value)!r}")
+  return _plain(value)
+
+
+def _text(value):
+  """A value as its YAML text: a number as written (1e3, not 1000.0)."""
+  return getattr(value, "text", None) or str(value)
+
+
+def _plain(value):
+  """int/float for the loader's _Int/_Float, so results dump as plain YAML."""
+  if isinstance(value, _Int):
+    return int(value)
+  if isinstance(value, _Float):
+    return float(value)
   return value
 
 

@@ -1,9 +1,16 @@
+import dataclasses
+import re
 import subprocess
 import sys
+import textwrap
+import typing
 
 import pytest
+import yaml
 
-from maxlm import config
+from maxlm import MaxlmError, config
+
+import datagen
 
 BASE = {"seed": 1, "data": {"dir": "d"}, "stages": [{"seq_len": 64, "batch": 2, "steps": 3}]}
 
@@ -28,7 +35,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     (["sed=3"], "unknown key 'sed'; did you mean 'seed'"),
     (["seed=abc"], "seed: expected int, got 'abc'"),
     (["data.overlap=-1"], "data.overlap: expected an integer >= 0, got -1"),
-    (["data.fim.rate=2"], r"data.fim.rate: expected a number in \[0.0, 1.0\], got 2.0"),
+    (["data.fim.rate=2"], r"data.fim.rate: expected a number in \[0, 1\], got 2.0"),
     (["stages.0.steps=0"], "stages.0: set exactly one of steps or tokens"),
     (["stages.3.batch=1"], "stages.3: expected an index 0..0"),
     (["data.mix.code=0"], "data.mix.code: expected a quota > 0"),
@@ -72,3 +79,153 @@ def test_production_schedule_loads_and_fits_1024_chips():
     assert stage.batch % (shape["data"] * shape["fsdp"]) == 0
     assert stage.seq_len % (2 * shape["context"]) == 0
   assert cfg.stages[-1].mesh.context == -1 and cfg.stages[-1].rope.scaling == "yarn"
+
+
+def load_text(tmp_path, text, overrides=()):
+  path = tmp_path / "c.yaml"
+  path.write_text(textwrap.dedent(text))
+  return config.load(str(path), overrides)
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("train.lr=1e-3", "lr", 1e-3), ("train.eps=1e-300", "eps", 1e-300),
+    ("train.clip=1E5", "clip", 1e5), ("train.b1=.5", "b1", 0.5),
+    ("train.weight_decay=+1.5e-2", "weight_decay", 0.015), ("train.lr=1.e-4", "lr", 1e-4),
+    ("train.min_lr_ratio=-.0", "min_lr_ratio", 0.0), ("train.lr=1", "lr", 1.0),
+])
+def test_yaml_1_2_floats_in_overrides(tmp_path, override, key, value):
+  cfg = load(tmp_path, BASE, [override])
+  assert getattr(cfg.train, key) == value and type(getattr(cfg.train, key)) is float
+
+
+def test_yaml_1_2_floats_in_files_and_numeric_looking_strings(tmp_path):
+  cfg = load_text(tmp_path, """
+      data: {dir: d, mix: {prose: 6e-1, code: .4}}
+      model: {z_loss: 1e-4, norm_eps: 1E-6}
+      train: {lr: 3e-4, eps: 1e-8}
+      stages:
+        - {name: 1e3, seq_len: 64, batch: 2, tokens: 1e3}
+        - {name: 1.50, seq_len: 64, batch: 2, steps: 2}
+      """)
+  assert cfg.data.mix == {"prose": 0.6, "code": 0.4} and cfg.train.lr == 3e-4
+  assert cfg.model.z_loss == 1e-4 and cfg.model.norm_eps == 1e-6 and cfg.train.eps == 1e-8
+  assert [s.name for s in cfg.stages] == ["1e3", "1.50"]  # as written, not 1000.0 / 1.5
+  assert cfg.stages[0].tokens == 1000 and type(cfg.stages[0].tokens) is int
+  cfg = load(tmp_path, BASE, ["stages.0.name=2e3", "data.mix={1e3: 1}"])
+  assert cfg.stages[0].name == "2e3" and cfg.data.mix == {"1e3": 1.0}
+  assert config.from_dict(config.to_dict(cfg)) == cfg
+  assert yaml.safe_load(yaml.safe_dump(config.to_dict(cfg)))  # plain types only
+
+
+def test_duplicate_keys_name_the_key_and_both_lines(tmp_path):
+  top = """\
+      seed: 1
+      data: {dir: d}
+      stages: [{seq_len: 64, batch: 2, steps: 3}]
+      seed: 2
+      """
+  with pytest.raises(config.ConfigError, match=r"c.yaml: duplicate key 'seed' at lines 1 and 4"):
+    load_text(tmp_path, top)
+  nested = """\
+      data:
+        dir: d
+        mix:
+          prose: 1
+          code: 1
+          prose: 2
+      stages:
+        - {seq_len: 64, batch: 2, steps: 3}
+        - {seq_len: 64, batch: 2, steps: 3, batch: 4}
+      """
+  with pytest.raises(config.ConfigError, match=r"duplicate key 'data.mix.prose' at lines 4 and 6"):
+    load_text(tmp_path, nested)
+  with pytest.raises(config.ConfigError, match=r"duplicate key 'stages.1.batch' at lines 9 and 9"):
+    load_text(tmp_path, nested.replace("prose: 2", "other: 2"))
+  with pytest.raises(config.ConfigError, match=r"=\{a: 1, a: 2\}'?: duplicate key 'data.mix.a'"):
+    load(tmp_path, BASE, ["data.mix={a: 1, a: 2}"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.clip=-1"], r"train.clip: expected a number > 0, got -1.0"),
+    (["train.clip=0"], r"train.clip: expected a number > 0, got 0.0"),
+    (["train.eps=0"], r"train.eps: expected a number > 0"),
+    (["train.weight_decay=-0.1"], r"train.weight_decay: expected a number >= 0, got -0.1"),
+    (["train.b1=1"], r"train.b1: expected a number in \[0, 1\), got 1.0"),
+    (["train.b2=1"], r"train.b2: expected a number in \[0, 1\), got 1.0"),
+    (["model.init_std=0"], r"model.init_std: expected a number > 0"),
+    (["model.z_loss=-1e-4"], r"model.z_loss: expected a number >= 0, got -0.0001"),
+    (["model.norm_eps=-1"], r"model.norm_eps: expected a number > 0, got -1.0"),
+    (["seed=-1"], r"seed: expected an integer in \[0, 4294967295\], got -1"),
+    (["seed=4294967296"], r"seed: expected an integer in \[0, 4294967295\], got 4294967296"),
+    (["train.lr=.inf"], r"train.lr: expected a finite number, got inf"),
+    (["train.lr=-.inf"], r"train.lr: expected a finite number, got -inf"),
+    (["train.lr=.nan"], r"train.lr: expected a finite number, got nan"),
+    (["train.lr=1e400"], r"train.lr: expected a finite number, got inf"),
+    ([f"train.lr=1{'0' * 400}"], r"train.lr: expected a finite number, got inf"),
+    (["train.lr=-1e-3"], r"train.lr: expected a number > 0, got -0.001"),
+    (["data.mix={prose: .inf}"], r"data.mix.prose: expected a finite number, got inf"),
+    (["stages.0.mix={prose: .nan}"], r"stages.0.mix.prose: expected a finite number, got nan"),
+    (["stages.0.rope.theta=.inf"], r"stages.0.rope.theta: expected a finite number, got inf"),
+    (["stages.0.rope.theta=0"], r"stages.0.rope.theta: expected a number > 0, got 0.0"),
+    (["stages.0.rope.factor=.inf"], r"stages.0.rope.factor: expected a finite number"),
+    (["stages.0.rope.factor=0.5"], r"stages.0.rope.factor: expected a number >= 1, got 0.5"),
+    (["stages.0.rope.original_length=0"], r"rope.original_length: expected an integer >= 1,"),
+    (["stages.0.steps=-5", "stages.0.tokens=100"], r"stages.0.steps: expected an integer >= 0"),
+    (["stages.0.tokens=-5"], r"stages.0.tokens: expected an integer >= 0"),
+    (["stages.0.steps=.inf"], r"stages.0.steps: expected int, got inf"),
+])
+def test_ranges_name_the_key_and_what_is_allowed(tmp_path, overrides, message):
+  with pytest.raises(config.ConfigError, match=message):
+    load(tmp_path, BASE, overrides)
+
+
+def float_keys(cls, prefix=""):
+  """Dotted keys of every float field, descending into dataclasses (stages: stage 0)."""
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    hint, key = hints[f.name], f"{prefix}{f.name}"
+    if hint is float:
+      yield key
+    elif dataclasses.is_dataclass(hint):
+      yield from float_keys(hint, key + ".")
+    elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+      yield from float_keys(typing.get_args(hint)[0], key + ".0.")
+
+
+FLOAT_KEYS = list(float_keys(config.Config))
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+@pytest.mark.parametrize("bad", [".inf", "-.inf", ".nan"])
+def test_no_float_field_takes_inf_or_nan(tmp_path, key, bad):
+  with pytest.raises(config.ConfigError, match=f"{re.escape(key)}: expected a finite number"):
+    load(tmp_path, BASE, [f"{key}={bad}"])
+
+
+def test_every_numeric_field_documents_its_range():
+  import inspect
+  assert len(FLOAT_KEYS) > 15
+  numeric = re.compile(r"^  (\w+): (int|float|dict\[str, float\])( \| None)? = ")
+  lines = [line for line in inspect.getsource(config).splitlines() if numeric.match(line)]
+  assert len(lines) > 40
+  for line in lines:
+    comment = line.partition("  # ")[2]
+    assert re.search(r"[<>]=? ?-?\d|\[|\.\.", comment), f"no documented range: {line.strip()}"
+
+
+@pytest.fixture
+def two_source_dir(tmp_path):
+  docs = datagen.make_docs([40] * 6, ["prose", "code"] * 3)
+  return datagen.write_data_dir(tmp_path / "data", docs)
+
+
+def test_unknown_fim_source_names_the_known_sources(tmp_path, two_source_dir):
+  from maxlm.data import loader
+  raw = {**BASE, "data": {"dir": two_source_dir}}
+  loader.Data(load(tmp_path, raw, ["data.fim.sources=[code]"]))  # known: fine
+  with pytest.raises(config.ConfigError,
+                     match=r"data.fim.sources: unknown source 'nosuch'; the data has: prose, code"):
+    loader.Data(load(tmp_path, raw, ["data.fim.sources=[code, nosuch]"]))
+  for key in ("data.mix", "stages.0.mix"):  # mix names: checked by the planner
+    with pytest.raises(MaxlmError, match=r"unknown source 'nosuch'; the data has: prose, code"):
+      loader.Data(load(tmp_path, raw, [f"{key}={{nosuch: 1}}"]))

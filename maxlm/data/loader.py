@@ -14,6 +14,7 @@ import grain
 import numpy as np
 
 from maxlm import MaxlmError
+from maxlm.config import ConfigError
 from maxlm.data import assemble, fim, plan, store, tokenizer
 
 
@@ -23,6 +24,7 @@ class Data:
   def __init__(self, config):
     self.config = config
     self.index = store.load_index(config.data.dir)
+    _check_fim_sources(config, self.index.sources)
     self.store = store.TokenStore(config.data.dir, self.index)
     self.manifest = store.load_manifest(config.data.dir)
     self.special = tokenizer.SpecialIds(**self.manifest["special_ids"])
@@ -46,6 +48,14 @@ class Data:
     return [[{"source": self.index.sources[p[plan.POOL]], "doc_id": self._doc_ids[p[plan.DOC]],
               "start": p[plan.START], "end": p[plan.END], "context": p[plan.CTX],
               "fim": fim.NAMES[p[plan.FIM]]} for p in row] for row in rows]
+
+
+def _check_fim_sources(config, sources):
+  """data.fim.sources must name sources of the data dir (mix names: checked by the planner)."""
+  for name in config.data.fim.sources:
+    if name not in sources:
+      raise ConfigError(f"data.fim.sources: unknown source {name!r}; the data has: "
+                        f"{', '.join(sources)}")
 
 
 class HostRows:
