@@ -26,6 +26,10 @@ def _parser():
   p.add_argument("--tokenizer", help="an existing SentencePiece .model to use instead")
   p.add_argument("--val-fraction", type=float, default=0.01)
   p.add_argument("--workers", type=int, default=None, help="tokenizer processes (all cores)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace an existing data dir at --out (once the new one is complete)")
+  p.add_argument("--verbose", action="store_true",
+                 help="list every rejected document and skipped file, not a few per reason")
 
   p = sub.add_parser("ledger", help="token accounting per stage and source, from the plan")
   _add_config(p)
@@ -88,17 +92,32 @@ def cmd_prepare(args):
   if not 0 <= args.val_fraction < 1:
     raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
   manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
-                             args.val_fraction, args.workers)
-  _print_manifest(manifest, args.out)
+                             args.val_fraction, args.workers, overwrite=args.overwrite,
+                             verbose=args.verbose)
+  _print_manifest(manifest, args.out, args.verbose)
 
 
-def _print_manifest(manifest, out):
+def _print_manifest(manifest, out, verbose=False):
   for name, s in manifest["sources"].items():
     print(f"  {name:<12} {s['documents']:>8,} docs {s['tokens']:>12,} tokens "
           f"({s['heldout_documents']:,} docs held out)")
   rejected = {k: v for k, v in manifest["rejected"].items() if v}
-  print(f"  rejected: {rejected or 'none'}; skipped files: {manifest['skipped_files'] or 'none'}")
-  print(f"wrote {out}")
+  skipped = {k: v for k, v in manifest["skipped"].items() if v}
+  print(f"  rejected: {rejected or 'none'}; skipped: {skipped or 'none'}; "
+        f"skipped files: {manifest['skipped_files'] or 'none'}")
+  if manifest["renamed_ids"]:
+    print(f"  renamed duplicate ids: {manifest['renamed_ids']} "
+          f"(e.g. {manifest['renamed_id_examples'][0]})")
+  if verbose:
+    for kind, key in (("rejected", "rejected_examples"), ("skipped", "skipped_examples")):
+      for reason, examples in manifest[key].items():
+        for where in examples:
+          print(f"  {kind} {reason}: {where}")
+    for what in manifest["renamed_id_examples"]:
+      print(f"  renamed: {what}")
+  elif rejected or skipped:
+    print("  (examples in manifest.json; --verbose lists them all)")
+  print(f"wrote {out} (fingerprint {manifest['fingerprint'][:12]})")
 
 
 def _open_data(args):

@@ -23,10 +23,10 @@ class Data:
 
   def __init__(self, config):
     self.config = config
+    self.manifest = store.load_manifest(config.data.dir)  # first: refuses mismatched files
     self.index = store.load_index(config.data.dir)
     _check_fim_sources(config, self.index.sources)
     self.store = store.TokenStore(config.data.dir, self.index)
-    self.manifest = store.load_manifest(config.data.dir)
     self.special = tokenizer.SpecialIds(**self.manifest["special_ids"])
     self.planner = plan.Planner(self.index, config)
     self._doc_ids = None

@@ -1,10 +1,12 @@
 """`maxlm prepare`: raw documents -> tokenizer, token store, doc index, manifest.
 
-Reads JSON Lines (`text` or chat `messages`, optional `id` and `source`), plain text, markdown
-and code files, and folders of them. Every rejected document is counted by reason, and every
-skipped file by suffix; nothing raises on bad input. Tokenization runs on all cores: each
-document is split at its section boundaries and the blocks are encoded separately, so the
-boundaries are exact token offsets.
+The files to read and what is skipped are walk.py's; turning them into documents and what is
+rejected (with the two choices on bad input: a lone surrogate drops the document as
+`bad_unicode`, a repeated id is renamed "x#2" and counted) is documents.py's; writing the data
+dir whole or not at all is datadir.py's. Bad input never raises: it is counted by reason. An
+input, `--out` or `--tokenizer` that cannot be used is one clear error, before any tokenizing.
+Tokenization runs on all cores: each document is split at its section boundaries and the blocks
+are encoded separately, so the boundaries are exact token offsets.
 """
 
 import collections
@@ -17,123 +19,9 @@ import pathlib
 import numpy as np
 import tqdm
 
-from maxlm import MaxlmError, io
-from maxlm.data import sections, store, tokenizer
-
-TEXT_SUFFIXES = frozenset(".txt .md .markdown .rst .text".split())
-JSONL_SUFFIXES = frozenset((".jsonl",))
-REASONS = ("non_utf8", "empty", "malformed_json", "missing_text", "bad_messages")
-_EXAMPLES = 5
-
-
-class Report:
-  """Counts of rejected documents per reason (with a few examples) and skipped files."""
-
-  def __init__(self):
-    self.rejected = collections.Counter({r: 0 for r in REASONS})
-    self.examples = collections.defaultdict(list)
-    self.skipped_files = collections.Counter()
-
-  def reject(self, reason, where):
-    self.rejected[reason] += 1
-    if len(self.examples[reason]) < _EXAMPLES:
-      self.examples[reason].append(where)
-
-
-def iter_files(inputs, report):
-  """(path, default source) for every readable file under the inputs, in a stable order."""
-  for given in inputs:
-    root = pathlib.Path(given)
-    if not root.exists():
-      raise MaxlmError(f"input not found: {given}")
-    if root.is_file():
-      yield root, root.stem
-      continue
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-      if any(part.startswith(".") for part in path.relative_to(root).parts):
-        continue
-      if _kind(path) is None:
-        report.skipped_files[path.suffix or "(none)"] += 1
-        continue
-      yield path, root.name
-
-
-def _kind(path):
-  suffix = path.suffix.lower()
-  if suffix in JSONL_SUFFIXES:
-    return "jsonl"
-  if suffix in sections.CODE_SUFFIXES:
-    return "code"
-  if suffix in TEXT_SUFFIXES or path.name in ("METADATA", "README", "LICENSE"):
-    return "prose"
-  return None
-
-
-def iter_documents(inputs, report):
-  """Yields dicts {source, id, kind, text | messages} and counts what it rejects."""
-  for path, source in iter_files(inputs, report):
-    kind = _kind(path) or "prose"
-    data = path.read_bytes()
-    if kind != "jsonl":
-      text = _decode(data, str(path), report)
-      if text is not None and _nonblank(text, str(path), report):
-        yield {"source": source, "id": str(path), "kind": kind, "text": text}
-      continue
-    for number, line in enumerate(data.split(b"\n"), 1):
-      if line.strip():
-        doc = _parse_line(line, f"{path}:{number}", report)
-        if doc is not None:
-          doc.setdefault("source", path.stem)
-          doc.setdefault("id", f"{path.name}:{number}")
-          yield doc
-
-
-def _decode(data, where, report):
-  try:
-    return data.decode("utf-8")
-  except UnicodeDecodeError:
-    report.reject("non_utf8", where)
-    return None
-
-
-def _nonblank(text, where, report):
-  if text.strip():
-    return True
-  report.reject("empty", where)
-  return False
-
-
-def _parse_line(line, where, report):
-  text = _decode(line, where, report)
-  if text is None:
-    return None
-  try:
-    record = json.loads(text)
-  except json.JSONDecodeError:
-    report.reject("malformed_json", where)
-    return None
-  if not isinstance(record, dict):
-    report.reject("malformed_json", where)
-    return None
-  doc = {k: str(record[k]) for k in ("id", "source") if record.get(k) not in (None, "")}
-  if "messages" in record and "text" not in record:
-    messages = record["messages"]
-    if not (isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and m.get("role") in tokenizer.ROLES
-        and isinstance(m.get("content"), str) for m in messages)):
-      report.reject("bad_messages", where)
-      return None
-    if not any(m["content"].strip() for m in messages):
-      report.reject("empty", where)
-      return None
-    return {**doc, "kind": "chat", "messages": messages}
-  if not isinstance(record.get("text"), str):
-    report.reject("missing_text", where)
-    return None
-  if not _nonblank(record["text"], where, report):
-    return None
-  kind = "code" if pathlib.PurePath(doc.get("id", "")).suffix in sections.CODE_SUFFIXES else "prose"
-  return {**doc, "kind": kind, "text": record["text"]}
+from maxlm import MaxlmError
+from maxlm.data import datadir, sections, store, tokenizer, walk
+from maxlm.data.documents import REASONS, Report, iter_documents, unique_ids  # noqa: F401
 
 
 def training_sentences(docs, max_chars=40_000_000):
@@ -160,8 +48,8 @@ def _init_worker(model_proto):
 
 
 def encode_document(doc):
-  """(source, id, tokens, bound_pos, bound_level, no-loss intervals, utf8 bytes)."""
-  return (doc["source"], doc["id"], *_encode(doc))
+  """(source, id, tokens, bound_pos, bound_level, no-loss intervals, utf8 bytes, split id)."""
+  return (doc["source"], doc["id"], *_encode(doc), doc.get("split_id"))
 
 
 def _encode(doc):
@@ -202,12 +90,26 @@ def heldout(source, doc_id, fraction):
 
 
 def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
-            workers=None, progress=True):
-  """Runs the whole preparation and returns the manifest dict."""
-  report = Report()
-  if tokenizer_file:
-    model_proto = pathlib.Path(tokenizer_file).read_bytes()
-  else:
+            workers=None, progress=True, overwrite=False, verbose=False, log=print):
+  """Runs the whole preparation and returns the manifest dict.
+
+  Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
+  old one, with `overwrite`) only once complete.
+  """
+  report = Report(verbose)
+  walk.check_inputs(inputs)
+  model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
+  staging = datadir.Staging(out_dir, overwrite, log)
+  try:
+    return _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers,
+                    progress)
+  except BaseException:
+    staging.abort()
+    raise
+
+
+def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers, progress):
+  if model_proto is None:
     first_pass, seen = Report(), []
     docs = (seen.append(1) or d for d in iter_documents(inputs, first_pass))
     try:
@@ -216,15 +118,15 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
     except RuntimeError as e:
       if not seen:
         raise _no_documents(inputs, first_pass) from None
-      raise MaxlmError(f"tokenizer training failed: {str(e).splitlines()[-1]} "
-                       f"(a smaller --vocab-size may fit this corpus)") from None
+      raise MaxlmError(tokenizer.training_failure(e, vocab_size)) from None
   sp = tokenizer.load(model_proto)
   special = tokenizer.special_ids(sp)
 
-  writer = DataDirWriter(out_dir)
+  writer = DataDirWriter(staging)
   with multiprocessing.get_context("fork").Pool(workers or os.cpu_count(), _init_worker,
                                                 (model_proto,)) as pool:
-    encoded = pool.imap(encode_document, iter_documents(inputs, report), chunksize=16)
+    docs = unique_ids(iter_documents(inputs, report), report)
+    encoded = pool.imap(encode_document, docs, chunksize=16)
     for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
       writer.add(*record)
   if not writer.doc_ids:
@@ -232,22 +134,44 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   return writer.finish(report, special, sp.vocab_size(), model_proto, val_fraction)
 
 
+def _read_tokenizer(path):
+  try:
+    proto = pathlib.Path(path).read_bytes()
+  except FileNotFoundError:
+    raise MaxlmError(f"--tokenizer {path}: not found") from None
+  except OSError as e:
+    raise MaxlmError(f"--tokenizer {path}: cannot be read ({e.strerror})") from None
+  try:
+    sp = tokenizer.load(proto)
+  except RuntimeError:
+    raise MaxlmError(f"--tokenizer {path} is not a SentencePiece model") from None
+  try:
+    tokenizer.special_ids(sp)
+  except ValueError as e:
+    raise MaxlmError(f"--tokenizer {path}: {e}") from None
+  return proto
+
+
 def _no_documents(inputs, report):
   return MaxlmError(f"no usable documents in {', '.join(map(str, inputs))} "
                     f"(rejected: {dict(+report.rejected) or 'none'}; "
+                    f"skipped: {dict(+report.skipped) or 'none'}; "
                     f"skipped files: {dict(report.skipped_files) or 'none'})")
 
 
 class DataDirWriter:
-  """Accumulates tokenized documents and writes the store, index, ids and manifest."""
+  """Accumulates tokenized documents and writes the store, index, ids and manifest, through a
+  datadir.Staging (made here from a path, for tests and tools)."""
 
-  def __init__(self, out_dir):
-    self.out_dir = out_dir
-    self.tokens = store.StoreWriter(out_dir)
+  def __init__(self, out, overwrite=False):
+    self.staging = out if isinstance(out, datadir.Staging) else datadir.Staging(out, overwrite)
+    self.tokens = store.StoreWriter(self.staging)
     self.cols = collections.defaultdict(list)
     self.bounds, self.no_loss, self.doc_ids, self.sources = [], [], [], {}
+    self.split_ids = []
 
-  def add(self, source, doc_id, tokens, bound_pos=(), bound_level=(), no_loss=(), nbytes=0):
+  def add(self, source, doc_id, tokens, bound_pos=(), bound_level=(), no_loss=(), nbytes=0,
+          split_id=None):
     shard, offset = self.tokens.add(tokens)
     for name, value in (("shard", shard), ("offset", offset), ("length", len(tokens)),
                         ("source", self.sources.setdefault(source, len(self.sources))),
@@ -256,12 +180,21 @@ class DataDirWriter:
     self.bounds.append((np.asarray(bound_pos, np.int32), np.asarray(bound_level, np.int8)))
     self.no_loss.append(np.asarray(no_loss, np.int32).reshape(-1, 2))
     self.doc_ids.append(doc_id)
+    self.split_ids.append(doc_id if split_id is None else split_id)
 
   def finish(self, report, special, vocab_size, model_proto=None, val_fraction=0.01):
+    """Writes the rest, manifest.json last, and puts the data dir in place; the manifest."""
+    try:
+      return self._finish(report, special, vocab_size, model_proto, val_fraction)
+    except BaseException:
+      self.staging.abort()
+      raise
+
+  def _finish(self, report, special, vocab_size, model_proto, val_fraction):
     self.tokens.close()
     source = np.array(self.cols["source"], np.int32)
     split = np.array([store.VAL if heldout(s, i, val_fraction) else store.TRAIN
-                      for s, i in zip(self.cols["source"], self.doc_ids)], np.uint8)
+                      for s, i in zip(self.cols["source"], self.split_ids)], np.uint8)
     for s in range(len(self.sources)):
       members = np.flatnonzero(source == s)
       if len(members) >= 2 and not (split[members] == store.VAL).any():
@@ -280,14 +213,11 @@ class DataDirWriter:
         nolos_start=_cat([x[:, 0] for x in self.no_loss], np.int32),
         nolos_end=_cat([x[:, 1] for x in self.no_loss], np.int32),
         sources=list(self.sources))
-    manifest = _manifest(index, report, special, vocab_size)
-    join = lambda name: io.join(self.out_dir, name)
-    io.write_bytes(join("index.npz"), index.to_bytes())
-    io.write_bytes(join("doc_ids.json"), json.dumps(self.doc_ids).encode())
+    self.staging.write("index.npz", index.to_bytes())
+    self.staging.write("doc_ids.json", json.dumps(self.doc_ids).encode())
     if model_proto is not None:
-      io.write_bytes(join("tokenizer.model"), model_proto)
-    io.write_bytes(join("manifest.json"), json.dumps(manifest, indent=1).encode())
-    return manifest
+      self.staging.write("tokenizer.model", model_proto)
+    return self.staging.commit(_manifest(index, report, special, vocab_size))
 
 
 def _ptr(counts):
@@ -312,6 +242,10 @@ def _manifest(index, report, special, vocab_size):
       "rejected": dict(report.rejected),
       "rejected_examples": dict(report.examples),
       "skipped_files": dict(report.skipped_files),
+      "skipped": dict(report.skipped),
+      "skipped_examples": dict(report.skipped_examples),
+      "renamed_ids": report.renamed,
+      "renamed_id_examples": report.renamed_examples,
       "vocab_size": vocab_size,
       "special_ids": dict(vars(special)),
       "tokenizer": "tokenizer.model",

@@ -5,8 +5,11 @@ Layout of a data dir (local or gs://):
   index.npz             per document: shard, offset, length, source, split, utf8 bytes; section
                         boundaries and no-loss (chat prompt) intervals as CSR arrays
   doc_ids.json          the document ids, verbatim
-  manifest.json         per-source and per-reject-reason counts, tokenizer facts
   tokenizer.model       the SentencePiece model
+  manifest.json         per-source and per-reject-reason counts, tokenizer facts, and `files`:
+                        every other file's size and sha256, with their `fingerprint`; written
+                        last, and checked against the files whenever the dir is opened (see
+                        datadir.py, which also owns writing the dir whole or not at all)
 
 Why raw shards rather than ArrayRecord or zarr: any `[doc, start:end)` is one contiguous byte
 range, so a local read is a memmap slice (~3 us, measured 200M tok/s) and a remote read is one
@@ -22,6 +25,7 @@ import json
 import numpy as np
 
 from maxlm import MaxlmError, io
+from maxlm.data import datadir
 
 TRAIN, VAL = 0, 1
 SHARD_TOKENS = 1 << 26
@@ -32,10 +36,10 @@ def shard_name(i):
 
 
 class StoreWriter:
-  """Appends documents to shards and writes a shard once it is full."""
+  """Appends documents to shards and writes a shard (through a datadir.Staging) once full."""
 
-  def __init__(self, out_dir, shard_tokens=SHARD_TOKENS):
-    self.out_dir, self.shard_tokens = out_dir, shard_tokens
+  def __init__(self, staging, shard_tokens=None):
+    self.staging, self.shard_tokens = staging, shard_tokens or SHARD_TOKENS
     self.shard, self.parts, self.filled = 0, [], 0
 
   def add(self, tokens):
@@ -53,7 +57,7 @@ class StoreWriter:
 
   def _flush(self):
     data = np.concatenate(self.parts) if self.parts else np.zeros(0, "<i4")
-    io.write_bytes(io.join(self.out_dir, shard_name(self.shard)), data.tobytes())
+    self.staging.write(shard_name(self.shard), data.tobytes())
     self.shard, self.parts, self.filled = self.shard + 1, [], 0
 
 
@@ -104,16 +108,42 @@ class DocIndex:
     return cls(**fields)
 
 
+def _no_data(data_dir):
+  return MaxlmError(f"data.dir {data_dir!r} holds no prepared data (no index.npz); run "
+                    f"`maxlm prepare INPUT... --out {data_dir}` first, or `maxlm demo` for "
+                    "the demo's")
+
+
 def load_index(data_dir):
   if not io.exists(io.join(data_dir, "index.npz")):
-    raise MaxlmError(f"data.dir {data_dir!r} holds no prepared data (no index.npz); run "
-                     f"`maxlm prepare INPUT... --out {data_dir}` first, or `maxlm demo` for "
-                     "the demo's")
+    raise _no_data(data_dir)
   return DocIndex.from_bytes(io.read_bytes(io.join(data_dir, "index.npz")))
 
 
 def load_manifest(data_dir):
-  return json.loads(io.read_bytes(io.join(data_dir, "manifest.json")))
+  """The manifest, once the files it lists are all there with their sizes (cheap: no hashing)."""
+  path = io.join(data_dir, datadir.MANIFEST)
+  if not io.exists(path):
+    if not io.exists(io.join(data_dir, "index.npz")):
+      raise _no_data(data_dir)
+    raise MaxlmError(f"data.dir {data_dir!r} has no manifest.json, so its files may be from an "
+                     f"unfinished maxlm prepare; re-run maxlm prepare INPUT... --out {data_dir} "
+                     "--overwrite")
+  try:
+    manifest = json.loads(io.read_bytes(path))
+  except ValueError:
+    raise MaxlmError(f"data.dir {data_dir!r}: manifest.json is not valid JSON; re-run maxlm "
+                     f"prepare INPUT... --out {data_dir} --overwrite") from None
+  if not isinstance(manifest, dict):
+    raise MaxlmError(f"data.dir {data_dir!r}: manifest.json is not a JSON object; re-run maxlm "
+                     f"prepare INPUT... --out {data_dir} --overwrite")
+  datadir.verify(data_dir, manifest)
+  return manifest
+
+
+def fingerprint(manifest):
+  """The sha256 naming a data dir's exact contents (see datadir.py); None for older dirs."""
+  return manifest.get("fingerprint")
 
 
 def load_doc_ids(data_dir):

@@ -9,6 +9,7 @@ encoded in consecutive blocks decode to their concatenation.
 
 import dataclasses
 import io as _io
+import re
 
 import sentencepiece as spm
 
@@ -44,6 +45,21 @@ def train(sentences, vocab_size, num_threads=2):
       control_symbols=list(CONTROL_SYMBOLS), user_defined_symbols=["\n"], num_threads=num_threads,
       train_extremely_large_corpus=False, minloglevel=2)
   return model.getvalue()
+
+
+def training_failure(error, vocab_size):
+  """One line for a SentencePiece training error, with the --vocab-size that would fit."""
+  text = str(error).strip()
+  most = re.search(r"Vocabulary size too high .*<= (\d+)", text)
+  if most:
+    return (f"tokenizer training failed: this corpus supports at most --vocab-size {most[1]} "
+            f"(asked for {vocab_size}); pass --vocab-size {most[1]} or less, or more text")
+  least = re.search(r"smaller than required_chars\. \d+ vs (\d+)", text)
+  if least:
+    return (f"tokenizer training failed: this corpus needs --vocab-size >= {least[1]} for its "
+            f"distinct characters and the special pieces (asked for {vocab_size}); pass "
+            f"--vocab-size {least[1]} or more")
+  return f"tokenizer training failed: {text.splitlines()[-1] if text else type(error).__name__}"
 
 
 def load(model_proto):

@@ -1,0 +1,222 @@
+"""A data dir as one unit: written whole or not at all, listed with sizes and hashes, checked
+when opened.
+
+`Staging` is where `maxlm prepare` writes. Before any tokenizing it checks `--out`: not a file,
+writable (a write probe on object stores), and empty unless `overwrite` is given, and then only
+holding data dir files, so `--overwrite` never deletes someone's folder.
+
+- Local: files go to a sibling folder `OUT.partial-<pid>`, renamed to OUT only once complete; an
+  old OUT is moved aside to `OUT.old-<pid>` first and deleted after, so a failure at any point
+  leaves the old data dir as it was. A sibling left by a killed prepare (its pid is gone) is
+  removed by the next prepare into OUT, which says so.
+- Object stores (gs://; tests use memory://) have no rename: files are written in place and
+  `manifest.json` last. When replacing, the old manifest is deleted before the first new file
+  lands and old files the new manifest does not name are deleted after it, so a failed overwrite
+  leaves a dir that `verify` refuses, never one that mixes old and new files.
+
+The manifest's `files` maps each file's name to {"bytes", "sha256"} (hashed from the bytes as
+they are written, never re-read) and `fingerprint` is the sha256 of the lines "NAME\\0SHA256\\n"
+in name order: equal fingerprints mean equal data. `verify` runs whenever a data dir is opened
+and checks only that every listed file exists with its listed size (a stat, or two one-byte
+ranged reads on an object store), never re-hashing shards.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+
+from maxlm import MaxlmError, io
+
+MANIFEST = "manifest.json"
+_PROBE = ".maxlm-write-probe"
+_OURS = re.compile(r"tokens-\d{5}\.bin|index\.npz|doc_ids\.json|tokenizer\.model|manifest\.json|"
+                   + re.escape(_PROBE))
+_RERUN = "re-run maxlm prepare INPUT... --out {} --overwrite"
+
+
+def fingerprint_of(files):
+  digest = hashlib.sha256()
+  for name in sorted(files):
+    digest.update(f"{name}\0{files[name]['sha256']}\n".encode())
+  return digest.hexdigest()
+
+
+class Staging:
+  """Checks `out` (before any work), takes the files of a new data dir and puts them in place."""
+
+  def __init__(self, out, overwrite=False, log=print):
+    self.out, self.overwrite, self.log = str(out).rstrip("/") or "/", overwrite, log
+    self.local = io.is_local(self.out)
+    self.files, self.old = {}, []
+    self._manifest_dropped = False
+    if self.local:
+      self._check_local()
+    else:
+      self._check_remote()
+
+  def _check_local(self):
+    out = pathlib.Path(os.path.realpath(self.out))
+    if out.exists() and not out.is_dir():
+      raise MaxlmError(f"--out {self.out} is a file, not a folder; give a folder for the data dir")
+    above = out.parent
+    while not above.exists() and above != above.parent:
+      above = above.parent
+    if not above.is_dir():
+      raise MaxlmError(f"cannot write --out {self.out}: {above} is a file, not a folder")
+    self._clean_stale(out)
+    try:
+      if out.is_dir():
+        self.old = os.listdir(out)
+        self._check_replaceable()
+      out.parent.mkdir(parents=True, exist_ok=True)
+      self.final, self.dir = out, out.parent / f"{out.name}.partial-{os.getpid()}"
+      shutil.rmtree(self.dir, ignore_errors=True)
+      self.dir.mkdir()
+    except OSError as e:
+      raise MaxlmError(f"cannot write --out {self.out}: {e.strerror or e}") from None
+
+  def _clean_stale(self, out):
+    pattern = re.compile(re.escape(out.name) + r"\.(partial|old)-(\d+)")
+    for path in sorted(out.parent.glob(f"{_glob_escape(out.name)}.*-*")):
+      m = pattern.fullmatch(path.name)
+      if not m or (_alive(int(m[2])) and int(m[2]) != os.getpid()):
+        continue
+      if m[1] == "old" and not out.exists():  # killed between the two renames: put it back
+        os.rename(path, out)
+        self.log(f"restored {out} from {path}, left by an interrupted maxlm prepare")
+      else:
+        shutil.rmtree(path, ignore_errors=True)
+        self.log(f"removed {path}, left by an interrupted maxlm prepare")
+
+  def _check_remote(self):
+    self.dir = self.out
+    try:
+      io.write_bytes(io.join(self.out, _PROBE), b"")
+      io.delete(io.join(self.out, _PROBE))
+      keys = io._open(self.out).list().result()
+    except Exception as e:  # TensorStore reports failures as ValueError, NotImplementedError...
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise MaxlmError(f"cannot write --out {self.out}: {first}") from None
+    self.old = [k.decode(errors="backslashreplace") for k in keys if k != _PROBE.encode()]
+    self._check_replaceable()
+
+  def _check_replaceable(self):
+    if not self.old:
+      return
+    if not self.overwrite:
+      raise MaxlmError(f"--out {self.out} already holds files; pass --overwrite to replace them "
+                       "(the old data dir stays usable until the new one is complete)")
+    foreign = sorted(n for n in self.old if not _OURS.fullmatch(n))
+    if foreign:
+      raise MaxlmError(f"--out {self.out} holds {foreign[0]!r}, which is not part of a data dir; "
+                       "refusing to replace it: choose a new or empty folder")
+
+  def write(self, name, data):
+    """Writes one file of the new data dir and records its size and sha256."""
+    if not self.local and self.old and not self._manifest_dropped:
+      io.delete(io.join(self.dir, MANIFEST))
+      self._manifest_dropped = True
+    io.write_bytes(io.join(self.dir, name), data)
+    self.files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+  def commit(self, manifest):
+    """Adds `files` and `fingerprint`, writes manifest.json last and puts the dir in place."""
+    manifest = {**manifest, "files": dict(sorted(self.files.items())),
+                "fingerprint": fingerprint_of(self.files)}
+    io.write_bytes(io.join(self.dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+    if self.local:
+      self._swap()
+    else:
+      for name in self.old:
+        if name not in self.files and name != MANIFEST:
+          io.delete(io.join(self.out, name))
+    return manifest
+
+  def _swap(self):
+    if not self.final.exists():
+      os.rename(self.dir, self.final)
+      return
+    aside = self.final.parent / f"{self.final.name}.old-{os.getpid()}"
+    os.rename(self.final, aside)
+    try:
+      os.rename(self.dir, self.final)
+    except OSError:
+      os.rename(aside, self.final)
+      raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+  def abort(self):
+    """Removes what a failed prepare wrote (an old local data dir is untouched)."""
+    if self.local:
+      shutil.rmtree(self.dir, ignore_errors=True)
+      return
+    for name in self.files:
+      io.delete(io.join(self.dir, name))
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError):
+    return True
+  return True
+
+
+def _glob_escape(name):
+  return re.sub(r"([*?[])", r"[\1]", name)
+
+
+def verify(data_dir, manifest):
+  """Refuses a data dir whose files are missing or not the size its manifest lists."""
+  files = manifest.get("files")
+  if not isinstance(files, dict) or not files:
+    raise MaxlmError(f"data.dir {data_dir!r}: manifest.json lists no files (made by an older "
+                     f"maxlm prepare or by hand); {_RERUN.format(data_dir)}")
+  if manifest.get("fingerprint") != fingerprint_of(files):
+    raise MaxlmError(f"data.dir {data_dir!r}: manifest.json's fingerprint does not match its "
+                     f"file list (edited by hand?); {_RERUN.format(data_dir)}")
+  for name, found in _sizes(data_dir, files).items():
+    want = files[name]["bytes"]
+    if found is None:
+      raise MaxlmError(f"data.dir {data_dir!r}: {name} is missing, expected {want} bytes; "
+                       f"{_RERUN.format(data_dir)}")
+    if found != want:
+      raise MaxlmError(f"data.dir {data_dir!r}: {name} has {found} bytes, expected {want}; "
+                       f"{_RERUN.format(data_dir)}")
+
+
+def _sizes(data_dir, files):
+  """{name: size, or None if missing, or 'fewer than N'/'more than N' where only that is known}."""
+  if io.is_local(data_dir):
+    sizes = {}
+    for name in files:
+      try:
+        sizes[name] = os.stat(os.path.join(data_dir, name)).st_size
+      except FileNotFoundError:
+        sizes[name] = None
+    return sizes
+  store = io._open(str(data_dir).rstrip("/"))
+  # Byte [n-1, n) exists iff size >= n; byte [n, n+1) exists iff size > n. All reads at once.
+  reads = {name: (store.read(name, byte_range=slice(max(f["bytes"] - 1, 0), f["bytes"]))
+                  if f["bytes"] else store.read(name),
+                  store.read(name, byte_range=slice(f["bytes"], f["bytes"] + 1)))
+           for name, f in files.items()}
+  return {name: _size_from(low, high, files[name]["bytes"]) for name, (low, high) in reads.items()}
+
+
+def _size_from(low, high, want):
+  try:
+    if low.result().state != "value":
+      return None
+  except ValueError as e:  # out of range: shorter than listed
+    m = re.search(r"value of size (\d+)", str(e))
+    return int(m[1]) if m else f"fewer than {want}"
+  try:
+    return "more than " + str(want) if high.result().state == "value" else None
+  except ValueError:
+    return want

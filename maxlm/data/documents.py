@@ -1,0 +1,173 @@
+"""Raw files -> document dicts for `maxlm prepare`, counting what is rejected and why.
+
+Reads JSON Lines (`text` or chat `messages`, optional `id` and `source`), plain text, markdown
+and code files, from the files walk.py yields. Each rejected document is counted in a `Report`
+by reason (non_utf8, empty, malformed_json, missing_text, bad_messages, bad_unicode) with a few
+examples (all with --verbose); the Report also holds walk.py's skipped counts and renamed ids.
+
+Two choices on bad input:
+- Text, an id or a source holding a lone UTF-16 surrogate (JSON such as "\\ud800", which is
+  not valid Unicode and cannot be encoded) drops the document, counted as `bad_unicode`; it is
+  not repaired, since any repair changes the text silently.
+- A document id seen before (in any file) is renamed: the second "x" becomes "x#2", the third
+  "x#3" (skipping names already taken), counted in the manifest's `renamed_ids` with examples
+  naming where. The held-out split is keyed on the original id (`split_id`), so copies of a
+  document in one source stay on the same side of the split. No document is dropped for its id.
+"""
+
+import collections
+import json
+import os
+import pathlib
+
+from maxlm.data import sections, tokenizer, walk
+
+TEXT_SUFFIXES = frozenset(".txt .md .markdown .rst .text".split())
+JSONL_SUFFIXES = frozenset((".jsonl",))
+REASONS = ("non_utf8", "empty", "malformed_json", "missing_text", "bad_messages", "bad_unicode")
+_EXAMPLES = 5
+
+
+class Report:
+  """Counts of rejected documents and skipped files per reason, renamed ids, with examples (a
+  few, or all with `verbose`)."""
+
+  def __init__(self, verbose=False):
+    self.limit = None if verbose else _EXAMPLES
+    self.rejected = collections.Counter({r: 0 for r in REASONS})
+    self.examples = collections.defaultdict(list)
+    self.skipped = collections.Counter({r: 0 for r in walk.SKIP_REASONS})
+    self.skipped_examples = collections.defaultdict(list)
+    self.skipped_files = collections.Counter()
+    self.renamed, self.renamed_examples = 0, []
+
+  def _note(self, examples, where):
+    if self.limit is None or len(examples) < self.limit:
+      examples.append(where)
+
+  def reject(self, reason, where):
+    self.rejected[reason] += 1
+    self._note(self.examples[reason], where)
+
+  def skip(self, reason, where):
+    self.skipped[reason] += 1
+    self._note(self.skipped_examples[reason], where)
+
+  def rename(self, what):
+    self.renamed += 1
+    self._note(self.renamed_examples, what)
+
+
+def _kind(name):
+  suffix = os.path.splitext(name)[1].lower()
+  if suffix in JSONL_SUFFIXES:
+    return "jsonl"
+  if suffix in sections.CODE_SUFFIXES:
+    return "code"
+  if suffix in TEXT_SUFFIXES or name in ("METADATA", "README", "LICENSE"):
+    return "prose"
+  return None
+
+
+def iter_documents(inputs, report):
+  """Yields dicts {source, id, where, kind, text | messages} and counts what it rejects."""
+  for path, shown, source in walk.iter_files(inputs, report, _kind):
+    kind = _kind(os.path.basename(path)) or "prose"
+    data = walk.read(path, shown, report)
+    if data is None:
+      continue
+    if kind != "jsonl":
+      text = _decode(data, shown, report)
+      if text is not None and _nonblank(text, shown, report):
+        yield {"source": source, "id": shown, "where": shown, "kind": kind, "text": text}
+      continue
+    name = os.path.basename(shown)
+    for number, line in enumerate(data.split(b"\n"), 1):
+      if line.strip():
+        doc = _parse_line(line, f"{shown}:{number}", report)
+        if doc is not None:
+          doc.setdefault("source", os.path.splitext(name)[0])
+          doc.setdefault("id", f"{name}:{number}")
+          yield {**doc, "where": f"{shown}:{number}"}
+
+
+def unique_ids(docs, report):
+  """Renames a repeated id "x" to "x#2", "x#3"... (counted); `split_id` keeps the original."""
+  seen, next_n = set(), {}
+  for doc in docs:
+    doc_id = doc["id"]
+    if doc_id in seen:
+      n = next_n.get(doc_id, 2)
+      while f"{doc_id}#{n}" in seen:
+        n += 1
+      next_n[doc_id] = n + 1
+      doc = {**doc, "id": f"{doc_id}#{n}", "split_id": doc_id}
+      report.rename(f"{doc_id!r} at {doc['where']} -> {doc['id']!r}")
+    seen.add(doc["id"])
+    yield doc
+
+
+def _encodable(*texts):
+  try:
+    for text in texts:
+      text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def _decode(data, where, report):
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError:
+    report.reject("non_utf8", where)
+    return None
+
+
+def _nonblank(text, where, report):
+  if text.strip():
+    return True
+  report.reject("empty", where)
+  return False
+
+
+def _parse_line(line, where, report):
+  text = _decode(line, where, report)
+  if text is None:
+    return None
+  try:
+    record = json.loads(text)
+  except json.JSONDecodeError:
+    report.reject("malformed_json", where)
+    return None
+  if not isinstance(record, dict):
+    report.reject("malformed_json", where)
+    return None
+  doc = {k: str(record[k]) for k in ("id", "source") if record.get(k) not in (None, "")}
+  if not _encodable(*doc.values()):
+    report.reject("bad_unicode", where)
+    return None
+  if "messages" in record and "text" not in record:
+    messages = record["messages"]
+    if not (isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and m.get("role") in tokenizer.ROLES
+        and isinstance(m.get("content"), str) for m in messages)):
+      report.reject("bad_messages", where)
+      return None
+    if not _encodable(*(m["content"] for m in messages)):
+      report.reject("bad_unicode", where)
+      return None
+    if not any(m["content"].strip() for m in messages):
+      report.reject("empty", where)
+      return None
+    return {**doc, "kind": "chat", "messages": messages}
+  if not isinstance(record.get("text"), str):
+    report.reject("missing_text", where)
+    return None
+  if not _encodable(record["text"]):
+    report.reject("bad_unicode", where)
+    return None
+  if not _nonblank(record["text"], where, report):
+    return None
+  kind = "code" if pathlib.PurePath(doc.get("id", "")).suffix in sections.CODE_SUFFIXES else "prose"
+  return {**doc, "kind": kind, "text": record["text"]}

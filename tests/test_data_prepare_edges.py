@@ -1,0 +1,218 @@
+"""Hostile inputs to `maxlm prepare`: each is counted by reason or is one clear error."""
+
+import builtins
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from maxlm import MaxlmError
+from maxlm.data import prepare, store, tokenizer
+
+PANGRAM = "The quick brown fox jumps over the lazy dog; 0123456789 times. "
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  path = tmp_path_factory.mktemp("tok") / "t.model"
+  path.write_bytes(tokenizer.train([f"{PANGRAM}{i} " * 3 for i in range(50)], 350, num_threads=1))
+  return str(path)
+
+
+def run(inputs, out, tok=None, **kw):
+  kw.setdefault("vocab_size", 350)
+  return prepare.prepare([str(i) for i in inputs], str(out), tokenizer_file=tok, workers=1,
+                         progress=False, **kw)
+
+
+def documents(manifest):
+  return sum(s["documents"] for s in manifest["sources"].values())
+
+
+def good_lines(n, word="doc"):
+  return [json.dumps({"id": f"{word}-{i}", "text": f"{PANGRAM}{word} {i}. " * 4}) for i in range(n)]
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_lone_surrogates_are_rejected_as_bad_unicode(tmp_path, tok, trained):
+  src = tmp_path / "u.jsonl"
+  src.write_text("\n".join(good_lines(20) + [
+      r'{"text": "abc \ud800 def"}',
+      r'{"id": "x\udfff", "text": "fine text"}',
+      r'{"source": "s\ud800", "text": "fine text"}',
+      r'{"messages": [{"role": "user", "content": "hi \udc00"}, '
+      r'{"role": "assistant", "content": "ok"}]}']))
+  manifest = run([src], tmp_path / "out", None if trained else tok)
+  assert manifest["rejected"]["bad_unicode"] == 4
+  assert documents(manifest) == 20
+  assert f"{src}:21" in manifest["rejected_examples"]["bad_unicode"]
+
+
+def test_deeply_nested_folders_are_walked(tmp_path, tok):
+  deep = tmp_path / "in"
+  deep.mkdir()
+  for _ in range(1200):  # one level at a time: os.makedirs itself recurses
+    deep = deep / "d"
+    deep.mkdir()
+  (deep / "leaf.txt").write_text(PANGRAM * 3)
+  try:
+    manifest = run([tmp_path / "in"], tmp_path / "out", tok)
+  finally:  # bottom up: shutil.rmtree (pytest's cleanup) itself recurses
+    (deep / "leaf.txt").unlink()
+    while deep != tmp_path:
+      deep.rmdir()
+      deep = deep.parent
+  assert documents(manifest) == 1
+
+
+def test_hidden_vcs_links_and_special_files_are_counted_by_reason(tmp_path, tok):
+  root, outside = tmp_path / "in", tmp_path / "outside"
+  (root / "sub").mkdir(parents=True)
+  (root / ".git").mkdir()
+  (root / ".git" / "HEAD.txt").write_text(PANGRAM)
+  outside.mkdir()
+  for path in (root / "a.txt", root / "sub" / "x.txt", outside / "b.txt", outside / "c.txt"):
+    path.write_text(PANGRAM + path.name)
+  (root / ".hidden.txt").write_text(PANGRAM)
+  os.symlink(root, root / "loop")
+  os.symlink("..", root / "sub" / "up")
+  os.symlink(tmp_path / "nowhere", root / "dangling.txt")
+  os.symlink(outside, root / "linked")
+  os.symlink(outside / "c.txt", root / "file_link.txt")
+  os.symlink(root / "sub", root / "again")  # walked first ("again" < "sub"); then sub is seen
+  os.mkfifo(root / "pipe.txt")
+  manifest = run([root], tmp_path / "out", tok)
+  assert manifest["skipped"] == {"hidden": 1, "vcs": 1, "symlink_loop": 2, "dangling_link": 1,
+                                 "special_file": 1, "already_seen": 2, "unreadable": 0}
+  assert manifest["skipped_examples"]["dangling_link"] == [str(root / "dangling.txt")]
+  assert manifest["skipped_examples"]["vcs"] == [str(root / ".git")]
+  ids = store.load_doc_ids(str(tmp_path / "out"))
+  assert sorted(os.path.basename(i) for i in ids) == ["a.txt", "b.txt", "file_link.txt",
+                                                      "x.txt"]
+
+
+def test_examples_are_a_few_unless_verbose(tmp_path, tok):
+  (tmp_path / "in").mkdir()
+  (tmp_path / "in" / "a.txt").write_text(PANGRAM)
+  for i in range(8):
+    (tmp_path / "in" / f".h{i}").write_text("x")
+  few = run([tmp_path / "in"], tmp_path / "o1", tok)
+  every = run([tmp_path / "in"], tmp_path / "o2", tok, verbose=True)
+  assert few["skipped"]["hidden"] == every["skipped"]["hidden"] == 8
+  assert len(few["skipped_examples"]["hidden"]) == 5
+  assert len(every["skipped_examples"]["hidden"]) == 8
+
+
+def test_unreadable_files_and_folders_are_counted(tmp_path, tok, monkeypatch):
+  root = tmp_path / "in"
+  (root / "locked").mkdir(parents=True)
+  (root / "locked" / "inner.txt").write_text(PANGRAM)
+  (root / "ok.txt").write_text(PANGRAM)
+  (root / "secret.txt").write_text(PANGRAM)
+  os.chmod(root / "locked", 0)
+  os.chmod(root / "secret.txt", 0)
+  real_scandir, real_open = os.scandir, builtins.open
+
+  def scandir(path="."):  # root ignores chmod: make it bite
+    if os.fspath(path) == str(root / "locked"):
+      raise PermissionError(13, "Permission denied", os.fspath(path))
+    return real_scandir(path)
+
+  def fake_open(path, *args, **kw):
+    if isinstance(path, (str, os.PathLike)) and os.fspath(path) == str(root / "secret.txt"):
+      raise PermissionError(13, "Permission denied", os.fspath(path))
+    return real_open(path, *args, **kw)
+  monkeypatch.setattr(os, "scandir", scandir)
+  monkeypatch.setattr(builtins, "open", fake_open)
+  try:
+    manifest = run([root], tmp_path / "out", tok)
+  finally:
+    os.chmod(root / "locked", 0o755)
+  assert manifest["skipped"]["unreadable"] == 2
+  assert sorted(manifest["skipped_examples"]["unreadable"]) == [str(root / "locked"),
+                                                                str(root / "secret.txt")]
+  assert documents(manifest) == 1
+
+
+def test_out_is_checked_before_any_tokenizing(tmp_path, tok, monkeypatch):
+  src = tmp_path / "a.jsonl"
+  src.write_text("\n".join(good_lines(3)))
+  monkeypatch.setattr(prepare, "iter_documents", lambda *a: pytest.fail("tokenized first"))
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(MaxlmError, match=r"--out .*/file is a file, not a folder"):
+    run([src], tmp_path / "file", tok)
+  with pytest.raises(MaxlmError, match=r"cannot write --out .*/file/data: .*/file is a file"):
+    run([src], tmp_path / "file" / "data", tok)
+  with pytest.raises(MaxlmError, match=r"cannot write --out http://127.0.0.1:9/data: .*writ"):
+    run([src], "http://127.0.0.1:9/data", tok)
+  with pytest.raises(MaxlmError, match=r"--tokenizer .*/nope.model: not found"):
+    run([src], tmp_path / "o", str(tmp_path / "nope.model"))
+  with pytest.raises(MaxlmError, match=r"--tokenizer .*/file is not a SentencePiece model"):
+    run([src], tmp_path / "o", str(tmp_path / "file"))
+  with pytest.raises(MaxlmError, match="input not found"):
+    run([tmp_path / "missing"], tmp_path / "o", tok)
+  assert not (tmp_path / "o").exists()
+
+
+def test_vocab_hints_give_the_size_that_fits(tmp_path):
+  small = tmp_path / "small.jsonl"
+  small.write_text("\n".join(good_lines(5)))
+  with pytest.raises(MaxlmError, match=r"supports at most --vocab-size (\d+) \(asked for 5000\)"
+                     ) as err:
+    run([small], tmp_path / "o1", vocab_size=5000)
+  most = int(err.value.args[0].split("at most --vocab-size ")[1].split()[0])
+  assert run([small], tmp_path / "o1", vocab_size=most)["vocab_size"] == most
+
+  rng = random.Random(0)
+  chars = [chr(0x4E00 + i) for i in range(700)]
+  wide = tmp_path / "wide.jsonl"
+  wide.write_text("\n".join(json.dumps({"text": "".join(rng.choice(chars) for _ in range(80))},
+                                       ensure_ascii=False) for _ in range(200)))
+  with pytest.raises(MaxlmError, match=r"needs --vocab-size >= (\d+) .*\(asked for 400\)") as err:
+    run([wide], tmp_path / "o2", vocab_size=400)
+  assert "smaller" not in str(err.value)
+  least = int(err.value.args[0].split(">= ")[1].split()[0])
+  assert least > 700
+  assert run([wide], tmp_path / "o2", vocab_size=least)["vocab_size"] == least
+
+
+def test_duplicate_ids_are_renamed_and_counted(tmp_path, tok):
+  a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  same = [json.dumps({"id": "same", "text": PANGRAM * 2})] * 3
+  a.write_text("\n".join(same + good_lines(30)))
+  b.write_text("\n".join([json.dumps({"id": "same", "text": PANGRAM}),
+                          json.dumps({"id": "same#2", "text": PANGRAM})]))
+  manifest = run([a, b], tmp_path / "out", tok, val_fraction=0.5)
+  assert manifest["renamed_ids"] == 4
+  assert manifest["renamed_id_examples"][0] == f"'same' at {a}:2 -> 'same#2'"
+  ids = store.load_doc_ids(str(tmp_path / "out"))
+  assert len(set(ids)) == len(ids) == 35
+  assert [i for i in ids if i.startswith("same")] == ["same", "same#2", "same#3", "same#4",
+                                                     "same#2#2"]
+  split = store.load_index(str(tmp_path / "out")).split
+  assert len({int(split[ids.index(i)]) for i in ("same", "same#2", "same#3")}) == 1
+  assert len(set(split[3:33].tolist())) == 2  # the others are split both ways
+
+
+def test_cli_prints_reasons_names_and_one_line_errors(tmp_path, tok):
+  root = tmp_path / "in"
+  root.mkdir()
+  (root / "a.txt").write_text(PANGRAM * 2)
+  (root / ".hidden").write_text("x")
+  os.symlink(tmp_path / "gone", root / "dangling")
+  (root / b"caf\xe9.txt".decode(errors="surrogateescape")).write_text(PANGRAM)
+  out = tmp_path / "data"
+  cli = lambda *a: subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", *map(str, a)],
+                                  capture_output=True, text=True)
+  proc = cli(root, "--out", out, "--tokenizer", tok, "--verbose")
+  assert proc.returncode == 0, proc.stderr
+  assert "'hidden': 1" in proc.stdout and "'dangling_link': 1" in proc.stdout
+  assert f"dangling_link: {root / 'dangling'}" in proc.stdout
+  assert any(i.endswith("caf\\xe9.txt") for i in store.load_doc_ids(str(out)))
+  proc = cli(root, "--out", out, "--tokenizer", tok)
+  assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+  assert "already holds files; pass --overwrite" in proc.stderr
+  assert cli(root, "--out", out, "--tokenizer", tok, "--overwrite").returncode == 0
