@@ -1,13 +1,26 @@
 """The `maxlm` command line: one subcommand per job, errors as one line with exit code 2."""
 
-import argparse
-import json
 import os
-import pathlib
+import signal
 import sys
-import warnings
 
-from maxlm import MaxlmError, config as config_lib, io
+
+def _interrupted_early(signum, _):
+  """Ctrl-C or SIGTERM while the command is still importing: one line, no traceback."""
+  print(f"maxlm: interrupted by {signal.Signals(signum).name} while starting", file=sys.stderr)
+  os._exit(128 + signum)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on import
+  for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _interrupted_early)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import warnings  # noqa: E402
+
+from maxlm import MaxlmError, config as config_lib, io  # noqa: E402
 
 
 def _add_config(p):
@@ -56,12 +69,16 @@ def _parser():
   p.add_argument("--stop-after", type=int, default=None, metavar="N",
                  help="train N steps in this call, save a checkpoint and exit (for time-limited "
                       "jobs: rerun to continue)")
+  p.add_argument("--force", action="store_true",
+                 help="take run_dir over from a holder that is known to be dead")
 
   p = sub.add_parser("verify-restart", help="kill and resume a run; prove nothing changed")
   _add_config(p)
   p.add_argument("--kills", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--workdir", help="default: a new temporary folder")
+  p.add_argument("--corrupt", action="store_true",
+                 help="also flip bytes in the latest checkpoint before the last resume")
 
   p = sub.add_parser("eval", help="held-out loss and bits per byte, per source")
   p.add_argument("run_dir")
@@ -177,7 +194,7 @@ def cmd_train(args):
   cfg = config_lib.load(args.config, args.overrides)
   if args.stop_after is not None and args.stop_after < 1:
     raise MaxlmError(f"--stop-after must be >= 1, got {args.stop_after}")
-  summary = loop.train(cfg, stop_after=args.stop_after)
+  summary = loop.train(cfg, stop_after=args.stop_after, force=args.force)
   print(f"run_dir: {cfg.run_dir} (metrics.jsonl, TensorBoard events, checkpoints/)")
   return summary
 
@@ -186,7 +203,8 @@ def cmd_verify_restart(args):
   from maxlm.train import verify
   if args.kills < 0:
     raise MaxlmError(f"--kills must be >= 0, got {args.kills}")
-  if not verify.verify(args.config, args.overrides, args.kills, args.seed, args.workdir):
+  if not verify.verify(args.config, args.overrides, args.kills, args.seed, args.workdir,
+                       corrupt=args.corrupt):
     print("restart changed the trajectory", file=sys.stderr)
     return 1
   print("bitwise identical")
@@ -271,9 +289,44 @@ def enable_compile_cache():
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _closed_loop_noise(value):
+  """After a failed async checkpoint write, TensorStore callbacks into Orbax's closed event
+  loops raise 'Event loop is closed'; the failure itself is reported in one line."""
+  return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+
+
+def _quiet_excepthook(kind, value, tb, _default=sys.excepthook):
+  if not _closed_loop_noise(value):
+    _default(kind, value, tb)
+
+
+def _quiet_unraisablehook(unraisable, _default=sys.unraisablehook):
+  if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Ctrl-C landed in a gc callback,
+    os.kill(os.getpid(), signal.SIGINT)  # which swallows it: deliver it again
+  elif not _closed_loop_noise(unraisable.exc_value):
+    _default(unraisable)
+
+
+def _terminated(signum, _):
+  raise KeyboardInterrupt  # SIGTERM outside training (which saves first) ends like Ctrl-C
+
+
 def main(argv=None):
   warnings.filterwarnings("ignore", category=DeprecationWarning)
   args = _parser().parse_args(argv)
+  handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+  signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: KeyboardInterrupt
+  signal.signal(signal.SIGTERM, _terminated)
+  if not os.environ.get("MAXLM_DEBUG"):
+    sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
+  try:
+    return _dispatch(args)
+  finally:
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+
+
+def _dispatch(args):
   try:
     enable_compile_cache()
     code = COMMANDS[args.command](args)

@@ -36,6 +36,7 @@ class DataConfig:
   fim: FimConfig = FimConfig()
   workers: int = 0  # >= 0; Grain worker processes; batches do not depend on it
   prefetch: int = 2  # >= 1; batches each worker prepares ahead
+  allow_changed: bool = False  # resume on other data than the checkpoint's (logged)
 
   def check(self, key):
     _check_mix(f"{key}.mix", self.mix)

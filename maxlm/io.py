@@ -14,7 +14,7 @@ import tensorstore as ts
 from maxlm import MaxlmError
 
 _REMOTE = ("gs", "s3", "http", "https", "memory")  # memory:// lets tests take the remote path
-_CONTEXT = ts.Context()
+CONTEXT = ts.Context()  # shared, so memory:// stores persist within a process
 
 
 def is_local(path):
@@ -65,4 +65,4 @@ def _name(path):
 @functools.lru_cache(maxsize=64)
 def _open(folder):
   url = folder if not is_local(folder) else f"file://{os.path.abspath(folder)}"
-  return ts.KvStore.open(url.rstrip("/") + "/", context=_CONTEXT).result()
+  return ts.KvStore.open(url.rstrip("/") + "/", context=CONTEXT).result()

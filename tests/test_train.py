@@ -158,14 +158,15 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_verify_restart_on_the_demo_config_with_three_kills_on_eight_devices(tmp_path,
-                                                                             demo_data):
+def test_verify_restart_with_three_kills_and_a_corrupt_checkpoint(tmp_path, demo_data):
   assert "device_count=8" in os.environ["XLA_FLAGS"]  # the subprocesses inherit 8 devices
   shorter = [f"data.dir={demo_data}", "model.size=tiny", "stages.0.steps=5", "stages.0.batch=8",
              "stages.1.steps=4", "stages.2.steps=3", "stages.2.batch=8",
              "train.checkpoint_every=3", "train.eval_every=0"]
+  lines = []
   assert verify.verify(str(ROOT / "configs" / "demo.yaml"), shorter, kills=3,
-                       workdir=str(tmp_path / "verify"), log=print)
+                       workdir=str(tmp_path / "verify"), log=lines.append, corrupt=True)
+  assert any("corrupted and caught" in line for line in lines), lines
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from maxlm.data import ledger, loader, plan
 from maxlm.eval import bpb
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import checkpoint, metrics, optimizer, rundir, step as step_lib
+from maxlm.train import (checkpoint, integrity, lease, metrics, optimizer, resume, rundir,
+                         step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 
@@ -105,20 +106,6 @@ def _vocab(config, data):
   return config.model.vocab_size or int(data.manifest["vocab_size"])
 
 
-def check_same_model(config, vocab, meta):
-  """A checkpoint restores only into the parameter shapes it was saved with."""
-  saved_vocab = meta.get("vocab", vocab)
-  shapes = lambda c, v: [(path, shape) for path, shape, _ in build.param_axes(c, v)]
-  if shapes(config_lib.from_dict(meta["config"]), saved_vocab) == shapes(config, vocab):
-    return
-  there = {**meta["config"]["model"], "vocab": saved_vocab}
-  here = {**config_lib.to_dict(config)["model"], "vocab": vocab}
-  diff = [f"{k} {there.get(k)} there, {v} here" for k, v in here.items() if there.get(k) != v]
-  raise MaxlmError(f"run_dir {config.run_dir} holds checkpoints of another model "
-                   f"({'; '.join(diff)}): pass a new run_dir=, or the model settings it "
-                   "was trained with")
-
-
 class StageParts(typing.NamedTuple):
   mesh: typing.Any
   model: typing.Any
@@ -158,55 +145,60 @@ def _state_shardings(model, opt, mesh, rules, seq_len):
   return {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
 
 
-def train(config, *, stop_after=None, log=print):
+def train(config, *, stop_after=None, force=False, log=print):
   """Runs (or resumes) the schedule; returns a summary dict. stop_after: global steps to run
-  in this call before saving and returning (the in-process restart check uses it)."""
+  in this call before saving and returning (the in-process restart check uses it). force:
+  take the run_dir's lease over from a holder known to be dead."""
   mesh_lib.initialize_distributed(config.distributed)
   data, vocab = validate(config)
   run_dir = rundir.RunDir(config.run_dir)
   run_dir.check_writable()
-  run_dir.pull()
-  with open(os.path.join(run_dir.local, "config.yaml"), "w") as f:
-    yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
-  run_dir.push()
-  ckpts = checkpoint.Checkpoints(config.run_dir, config.train.keep,
-                                 config.train.async_checkpoints, log)
-  writer = metrics.Writer(run_dir.local)
+  held = lease.acquire(config.run_dir, run_dir.primary, force)
+  writer = ckpts = None
+  try:
+    run_dir.pull()
+    with open(os.path.join(run_dir.local, "config.yaml"), "w") as f:
+      yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
+    run_dir.push()
+    ckpts = checkpoint.Checkpoints(config.run_dir, config.train.keep,
+                                   config.train.async_checkpoints, log)
+    writer = metrics.Writer(run_dir.local)
+    return _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log)
+  finally:
+    try:
+      if writer is not None:
+        writer.close()
+      if ckpts is not None:
+        ckpts.close()
+    finally:
+      run_dir.push(log)
+      held.release()
+
+
+def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
   offsets = np.cumsum([0] + [st.num_steps for st in config.stages])
   total = int(offsets[-1])
   peak = measure_peak_flops()
   preempt = Preemption()
-  state, stage0, k0, consumed, it_start = None, 0, 0, {}, None
-  resume = ckpts.latest_readable()
-  ran, summary = 0, {"resumed_from": None}
+  state, stage0, k0, consumed, it_start, resumed = None, 0, 0, {}, None, None
+  ran, summary, first_row = 0, {"resumed_from": None}, {}
   try:
-    while resume is not None and state is None:
-      step_no, meta = resume
-      check_same_model(config, vocab, meta)
+    found = resume.resume(ckpts, config, data, vocab, stage_parts, log)
+    if found is not None:
+      state, meta, step_no, changed = found
       stage0, k0, consumed = meta["stage"], meta["stage_step"], meta.get("consumed", {})
-      it_start = meta.get("iterator_start")
-      if meta.get("planner"):
-        data.planner.seed_snapshot(plan.Snapshot(**meta["planner"]))
-      try:
-        state = restore_state(ckpts, step_no, config, stage0, vocab)
-        summary["resumed_from"] = step_no
-        log(f"resumed from checkpoint {step_no} (stage {stage0}, step {k0})")
-      except Exception as e:
-        log(f"checkpoint {step_no} is unreadable ({type(e).__name__}); trying the one before")
-        earlier = [s for s in ckpts.steps() if s < step_no]
-        if not earlier:  # never start over silently on top of a run's checkpoints
-          raise MaxlmError(f"no checkpoint in {ckpts.dir} restores into this model (last: "
-                           f"{type(e).__name__}: {str(e).splitlines()[0][:160]}); pass a new "
-                           "run_dir=, or delete that folder to start over") from None
-        resume = (earlier[-1], ckpts.meta(earlier[-1]))
-        stage0, k0, consumed, it_start = 0, 0, {}, None
+      it_start, resumed = meta.get("iterator_start"), (step_no, meta)
+      summary["resumed_from"] = step_no
+      first_row = {"data_changed": 1} if changed else {}
+      log(f"resumed from checkpoint {step_no} (stage {stage0}, step {k0})")
     for s in range(stage0, len(config.stages)):
       stage = config.stages[s]
       mesh, model, opt, step_fn, nll_fn, shardings = stage_parts(config, s, vocab)
       if state is None:
         state = step_lib.init_state(model, opt, mesh, config.rules, config.seed, stage.seq_len)
+        ckpts.check_space(state)
       state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
-      it, it_start = _iterator(ckpts, summary["resumed_from"], data, s, k0, it_start, log)
+      it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
       steps = stage.num_steps
       start_time = time.perf_counter()
       for k in range(k0, steps):
@@ -222,68 +214,43 @@ def train(config, *, stop_after=None, log=print):
                                       build.mean_attended(batch["segment_ids"]))
         row = {"stage": s, "stage_step": k, **m, "tokens_per_s": real / dt,
                "mfu": flops * real / dt / peak, "fingerprint": fingerprint(batch),
-               **_loss_tokens(data, s, k, consumed)}
-        if config.train.eval_every and (g + 1) % config.train.eval_every == 0:
+               **_loss_tokens(data, s, k, consumed), **first_row}
+        first_row = {}
+        finite = integrity.all_finite(m)
+        if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0:
           row.update(_evaluate(nll_fn, state, data, stage, mesh, config))
         writer.write(g, row)
+        if not finite:
+          raise MaxlmError(_diverged(g, m, config, ckpts))
+        ckpts.check_errors()
+        held.check()
         ran += 1
         _progress(log, s, k, steps, g, total, m, row, start_time, k0)
         last = k == steps - 1
         stop = preempt.signal or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
-          _save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start)
+          resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start)
           run_dir.push()
         if stop:
           ckpts.wait()
           log(f"stopped after step {g + 1} ({preempt.signal or 'stop_after'}); "
               f"checkpoint {g + 1} saved: rerun the same command to resume")
           return {**summary, "stopped": True, "step": g + 1}
-      k0, it_start = 0, None
+      k0, it_start, resumed = 0, None, None
     ckpts.wait()
     return {**summary, "stopped": False, "step": total, "final": dict(row) if ran else {}}
   finally:
     preempt.restore()
-    writer.close()
-    try:
-      ckpts.close()
-    finally:
-      run_dir.push(log)
 
 
-def restore_state(ckpts, step_no, config, s, vocab):
-  """The train state of checkpoint step_no, placed in stage s's shardings."""
-  parts = stage_parts(config, s, vocab)
-  abstract = checkpoint.abstract(jax.eval_shape(
-      lambda: step_lib.init_state_abstract(parts.model, parts.opt, config.seed,
-                                           config.stages[s].seq_len)), parts.shardings)
-  return ckpts.restore(step_no, abstract)
-
-
-def _iterator(ckpts, resumed_step, data, s, k0, it_start, log):
-  """The stage's Grain iterator at step k0: its saved state restored when there is one (the
-  iterator is rebuilt from the same start), else started at k0 (batches depend on k alone)."""
-  host, hosts = jax.process_index(), jax.process_count()
-  if resumed_step is not None and it_start is not None and k0 > 0:
-    try:
-      it = loader.iterator(data, s, host, hosts, start_step=it_start)
-      return ckpts.restore_iterator(resumed_step, it), it_start
-    except Exception as e:  # another worker or host count: the step alone is enough
-      log(f"Grain iterator state not restored ({type(e).__name__}); starting at step {k0}")
-  return loader.iterator(data, s, host, hosts, start_step=k0), k0
-
-
-def _save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_start):
-  stage = config.stages[s]
-  if next_k >= stage.num_steps and s + 1 < len(config.stages):
-    s, next_k = s + 1, 0  # a stage boundary: resume at the next stage's first step
-    it = None
-  rows = next_k * stage.batch if it is not None else 0
-  snap = data.planner.snapshot(s, rows // config.data.block_rows)
-  meta = {"stage": s, "stage_step": next_k, "global_step": global_step, "consumed": consumed,
-          "iterator_start": it_start if it is not None else None,
-          "planner": checkpoint.snapshot_to_json(snap), "config": config_lib.to_dict(config),
-          "vocab": _vocab(config, data)}
-  ckpts.save(global_step, state, meta, it)
+def _diverged(g, m, config, ckpts):
+  values = ", ".join(f"{k} {m[k]}" for k in ("loss", "grad_norm", "param_norm") if k in m)
+  good = [s for s in ckpts.steps() if s not in ckpts.corrupt and s <= g]
+  kept = f"checkpoint {good[-1]} is the last good one" if good else "no checkpoint was saved"
+  return (f"step {g + 1}: non-finite values ({values}); stopped without saving, {kept}. "
+          f"Likely cause: train.lr={config.train.lr} too high for this model (lower it, or "
+          f"raise train.warmup_steps={config.train.warmup_steps}), or train.eps="
+          f"{config.train.eps} / model.norm_eps={config.model.norm_eps} too small")
 
 
 def _loss_tokens(data, s, k, consumed):

@@ -5,6 +5,8 @@
    mid-stage, right after a stage's last step (the boundary), and while an async checkpoint
    is being written; resume after each kill.
 3. Resume once more in this process from a run stopped half way, reusing compiled functions.
+   With `corrupt`, the latest checkpoint of the killed run has 64 bytes flipped in its largest
+   file before the last resume: that resume must report it corrupt and fall back.
 4. Compare step by step the batch fingerprints and losses (every recomputed step too), and at
    the end every parameter and optimizer tensor, bit for bit. Exit 0 only if all are equal.
 """
@@ -67,6 +69,26 @@ def _kill_when(proc, run_dir, moment, after_step, boundaries, timeout=600):
   return (rows[-1]["step"] if rows else -1), "killed"
 
 
+def corrupt_latest(run_dir):
+  """Flips 64 bytes in the middle of the largest file of the latest checkpoint's state;
+  returns that checkpoint's step."""
+  root = os.path.join(run_dir, "checkpoints")
+  steps = [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
+  if not steps:
+    return None  # nothing saved yet (e.g. --kills 0): nothing to corrupt
+  step = max(steps)
+  files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(root, str(step), "state"))
+           for f in names]
+  target = max(files, key=os.path.getsize)
+  with open(target, "r+b") as f:
+    middle = os.path.getsize(target) // 2
+    f.seek(middle)
+    chunk = f.read(64)
+    f.seek(middle)
+    f.write(bytes(b ^ 0x5A for b in chunk))
+  return step
+
+
 def _final_state(run_dir):
   manager = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")))
   step = manager.latest_step()
@@ -93,7 +115,7 @@ def _compare_states(a, b):
   return len(a), diff + [k for k in b if k not in a]
 
 
-def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print):
+def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, corrupt=False):
   config = config_lib.load(config_path, overrides)
   rng = random.Random(seed)
   steps = [st.num_steps for st in config.stages]
@@ -118,10 +140,16 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print):
     events.append((moment, last, what))
     log(f"      kill {i + 1}: {moment:<15} at step {last} ({what})")
     after = last if last is not None else after
+  flipped = corrupt_latest(killed) if corrupt else None
+  if flipped is not None:
+    log(f"      corrupted checkpoint {flipped} (64 bytes flipped)")
   finish = subprocess.run(_command(config_path, overrides, killed), env=env,
                           capture_output=True, text=True)
   if finish.returncode:
     raise MaxlmError(f"the resumed run failed: {finish.stderr.strip()[-300:]}")
+  caught = flipped is None or f"checkpoint {flipped} is corrupt" in finish.stdout
+  if not caught:
+    log(f"      the resume did not report checkpoint {flipped} as corrupt")
   log(f"[3/3] in-process stop and resume in {inproc}")
   from maxlm.train import loop
   cfg = config_lib.load(config_path, [*overrides, f"run_dir={inproc}"])
@@ -141,10 +169,13 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print):
     ok &= same
     table.append((name, n_rows, len(bad_rows) + len(missing), n_tensors, len(bad_tensors),
                   "identical" if same else "DIFFERENT"))
+  ok &= caught
   log(f"\n{'run':<12}{'steps logged':>14}{'step diffs':>12}{'tensors':>9}{'tensor diffs':>14}"
       f"  verdict")
   for row in table:
     log(f"{row[0]:<12}{row[1]:>14}{row[2]:>12}{row[3]:>9}{row[4]:>14}  {row[5]}")
-  log("\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events))
+  log("\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events)
+      + (f"; checkpoint {flipped} corrupted and {'caught' if caught else 'NOT caught'}"
+         if flipped is not None else ""))
   log(f"wall time {time.time() - t0:.0f} s; work dir {work}")
   return ok

@@ -1,0 +1,121 @@
+"""What makes a checkpoint trustworthy: content digests written with it, checked on restore.
+
+At every save each array of the train state is digested on the host (dtype, shape and a
+CRC-32 of its bytes) right before Orbax writes it. The digests, the Grain iterator state and a
+digest of the metadata itself go into the checkpoint's `meta` item, which Orbax commits in the
+same atomic rename as the arrays. On restore, before anything trains:
+  1. the metadata must match its own digest (a valid-looking but edited or flipped JSON fails);
+  2. every restored array must match its digest (a flipped bit anywhere in `state/` fails);
+  3. the restored Grain iterator must sit exactly where the step says it should (see
+     `check_iterator`); if it does not, the caller rebuilds it from the step alone.
+A failure raises `CorruptCheckpoint` naming the checkpoint and what differed; the loop then
+falls back to the checkpoint before it.
+
+Why CRC-32 from zlib rather than SHA-256 or a new dependency: the threat is corruption (bit
+flips, torn or truncated copies), not an adversary; zlib's CRC-32 is in the standard library,
+releases the GIL, and hashes ~7 GB/s on this 2-core machine against ~1.9 GB/s for SHA-256, which
+keeps the cost of checking within a few percent of a save (tools/bench_checkpoint.py).
+
+Arrays are digested whole, so a checkpoint verifies on any mesh. In a multi-process run an
+array that is not fully addressable is digested per addressable shard (keyed by its global
+index); process 0 writes the metadata, so there only process 0's shards are checked.
+"""
+
+import concurrent.futures
+import json
+import os
+import zlib
+
+import jax
+import numpy as np
+
+VERSION = 1
+
+
+class CorruptCheckpoint(Exception):
+
+  def __init__(self, step, reason):
+    super().__init__(f"checkpoint {step} is corrupt ({reason})")
+    self.step, self.reason = step, reason
+
+
+def _crc(array):
+  return f"{zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8)):08x}"
+
+
+def _leaf_digests(name, x):
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    array = np.asarray(x)
+    return {name: f"{array.dtype}{list(array.shape)}:{_crc(array)}"}
+  out = {}
+  for shard in x.addressable_shards:
+    if shard.replica_id == 0:
+      where = ",".join(f"{s.start or 0}:{s.stop if s.stop is not None else n}"
+                       for s, n in zip(shard.index, x.shape))
+      out[f"{name}@{where}"] = f"{x.dtype}{list(shard.data.shape)}:{_crc(shard.data)}"
+  return out
+
+
+def array_digests(tree):
+  """{path: "dtype[shape]:crc32"} for every leaf, digested on a few threads."""
+  leaves = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+  with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+    parts = pool.map(lambda item: _leaf_digests(*item), leaves)
+  return {k: v for part in parts for k, v in part.items()}
+
+
+def _meta_crc(meta):
+  rest = {k: v for k, v in meta.items() if k != "integrity"}
+  inner = {k: v for k, v in meta.get("integrity", {}).items() if k != "meta"}
+  text = json.dumps({"meta": rest, "integrity": inner}, sort_keys=True, separators=(",", ":"))
+  return f"{zlib.crc32(text.encode()):08x}"
+
+
+def seal(meta, state, iterator_state):
+  """Adds the digests of the state, the iterator state and the metadata itself to meta."""
+  meta = {**meta, "integrity": {"version": VERSION, "arrays": array_digests(state),
+                                "iterator": iterator_state}}
+  meta["integrity"]["meta"] = _meta_crc(meta)
+  return meta
+
+
+def is_sealed(meta):
+  return "integrity" in meta
+
+
+def check_meta(step, meta):
+  """Raises CorruptCheckpoint unless the metadata matches its own digest."""
+  if not is_sealed(meta):
+    return
+  if meta["integrity"].get("meta") != _meta_crc(meta):
+    raise CorruptCheckpoint(step, "its metadata does not match its checksum")
+
+
+def check_state(step, meta, state):
+  """Raises CorruptCheckpoint unless every restored array matches its saved digest."""
+  if not is_sealed(meta):
+    return
+  want, got = meta["integrity"]["arrays"], array_digests(state)
+  bad = sorted(k for k in got if k in want and want[k] != got[k])
+  missing = sorted(k for k in want if k not in got and "@" not in k)
+  if bad or missing:
+    names = ", ".join((bad + missing)[:3]) + (", ..." if len(bad) + len(missing) > 3 else "")
+    raise CorruptCheckpoint(step, f"{len(bad) + len(missing)} of {len(want)} arrays differ "
+                                  f"from their checksums: {names}")
+
+
+def check_iterator(meta, restored_state, expected_next):
+  """None if the restored Grain iterator state is the one saved and sits at the step's batch,
+  else a sentence saying what disagrees."""
+  saved = meta.get("integrity", {}).get("iterator")
+  if saved is not None and restored_state != saved:
+    return f"its state {restored_state} differs from the one recorded with it {saved}"
+  position = restored_state.get("next_index") if isinstance(restored_state, dict) else None
+  if position is not None and position != expected_next:
+    return f"it says next_index {position} where the step says {expected_next}"
+  return None
+
+
+def all_finite(metrics):
+  return all(np.isfinite(v) for k, v in metrics.items()
+             if k in ("loss", "grad_norm", "param_norm"))
