@@ -12,10 +12,19 @@ import sys
 import time
 
 from maxlm import MaxlmError, config as config_lib, io
-from maxlm.data import corpus, ledger, loader, prepare, show
+from maxlm.data import corpus, ledger, loader, prepare, show, store
 from maxlm.train import metrics
 
 SAMPLE_PROMPTS = ("def ", "The ", "import ")
+
+
+def _prepared(data_dir):
+  """Whether data_dir holds a complete data dir of this maxlm (one from before data dirs
+  listed their files is prepared again)."""
+  try:
+    return "fingerprint" in store.load_manifest(data_dir)
+  except MaxlmError:
+    return False
 
 
 def run(config_name="demo"):
@@ -28,10 +37,10 @@ def run(config_name="demo"):
     corpus.build(str(raw_dir))
   else:
     print(f"[1/7] embedded corpus: reusing {raw_dir}")
-  if not io.exists(io.join(cfg.data.dir, "manifest.json")):
+  if not _prepared(cfg.data.dir):
     print(f"[2/7] training the tokenizer and preparing {cfg.data.dir}")
     prepare.prepare([str(raw_dir / "prose.jsonl"), str(raw_dir / "code.jsonl")], cfg.data.dir,
-                    vocab_size=4096)
+                    vocab_size=4096, overwrite=True)
   else:
     print(f"[2/7] prepared data: reusing {cfg.data.dir}")
   data = loader.Data(cfg)

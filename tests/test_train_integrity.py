@@ -68,13 +68,16 @@ def largest_file(folder):
   return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
-def test_bit_flipped_checkpoint_is_caught_and_the_resume_is_bitwise(runs, tmp_path):
-  cfg, lines = resume_copy(runs, tmp_path)
-  target = largest_file(tmp_path / "run" / "checkpoints" / "8" / "state")
-  data = bytearray(target.read_bytes())
+def flip_middle(path):
+  data = bytearray(path.read_bytes())
   middle = len(data) // 2
   data[middle:middle + 64] = bytes(b ^ 0x5A for b in data[middle:middle + 64])
-  target.write_bytes(bytes(data))
+  path.write_bytes(bytes(data))
+
+
+def test_bit_flipped_checkpoint_is_caught_and_the_resume_is_bitwise(runs, tmp_path):
+  cfg, lines = resume_copy(runs, tmp_path)
+  flip_middle(largest_file(tmp_path / "run" / "checkpoints" / "8" / "state"))
   summary = loop.train(cfg, log=lines.append)
   assert any(line.startswith("checkpoint 8 is corrupt (") for line in lines), lines
   assert summary["resumed_from"] == 6
@@ -85,6 +88,17 @@ def test_bit_flipped_checkpoint_is_caught_and_the_resume_is_bitwise(runs, tmp_pa
       ckpts.meta(step)
   finally:
     ckpts.close()
+
+
+def test_all_checkpoints_corrupt_starts_over_and_says_so(runs, tmp_path):
+  cfg, lines = resume_copy(runs, tmp_path)
+  for step in ("3", "6", "8"):
+    flip_middle(largest_file(tmp_path / "run" / "checkpoints" / step / "state"))
+  summary = loop.train(cfg, log=lines.append)
+  assert summary["resumed_from"] is None
+  assert any(line.startswith("every checkpoint in ") and "(3, 6, 8); starting from step 0"
+             in line for line in lines), lines
+  assert_same_as_uninterrupted(runs, cfg.run_dir, from_step=0)
 
 
 def test_edited_metadata_is_caught(runs, tmp_path):
@@ -182,6 +196,17 @@ def test_failed_checkpoint_write_stops_training_at_once(runs, tmp_path):
   assert rerun.returncode == 0, rerun.stderr
   leftovers = [n for n in os.listdir(tmp_path / "run" / "checkpoints") if "tmp" in n]
   assert leftovers == []
+
+
+def test_a_run_dir_that_cannot_be_written_at_start_is_one_line(runs, tmp_path):
+  path, _, _ = runs
+  env = {**os.environ, "MAXLM_COMPILE_CACHE": "off"}
+  proc = subprocess.run(
+      [sys.executable, "-m", "maxlm.cli", "train", str(path), f"run_dir={tmp_path / 'run'}"],
+      cwd=ROOT, capture_output=True, text=True, env=env, preexec_fn=_limit_file_size(16))
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert f"cannot write to run_dir {tmp_path / 'run'}: File too large" in proc.stderr
 
 
 def test_free_space_is_checked_before_the_first_save(runs, tmp_path, monkeypatch):

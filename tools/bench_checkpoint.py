@@ -1,14 +1,19 @@
 """What checkpoint integrity costs: save and restore time with checksums against plain Orbax,
 side by side in one run, for the demo model and the 150m model on this machine.
 
-  python tools/bench_checkpoint.py [--sizes demo,150m] [--repeats 3] [--vocab 32000] [--json]
+  python tools/bench_checkpoint.py [--sizes demo,150m] [--repeats 5] [--json]
+
+The demo model gets the demo's 8192-piece vocabulary, 150m a 32000-piece one (--vocab N sets
+both).
 
 "plain" is what maxlm did before checksums: an Orbax CheckpointManager saving the train
 state and a JSON metadata item, and restoring the state. "checked" is `maxlm.train.checkpoint`:
 the same items plus the arrays' CRC-32 digests computed at save, and every restored array
 re-digested and compared. Both save asynchronously; a save is timed until it is committed
 (`wait_until_finished`), a restore until the state is on the device and (for "checked")
-verified. The two are interleaved and the ratio of the medians is reported.
+verified. The two are interleaved, alternating which goes first, for at least --repeats rounds
+and enough rounds for ~10 s of plain work (small states are noisy), and the ratio of the
+medians is reported.
 """
 
 import argparse
@@ -56,6 +61,7 @@ def plain_round(folder, state, step):
   abstract = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   t = time.perf_counter()
+  manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
   restored = manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract)))["state"]
   jax.block_until_ready(restored)
@@ -88,40 +94,70 @@ def bench(size, vocab, repeats, root):
   integrity.array_digests(state)
   digest_s = time.perf_counter() - t
   times = {"plain": [], "checked": []}
-  for r in range(repeats + 1):  # the first round warms both paths and is dropped
-    for name, fn in (("plain", plain_round), ("checked", checked_round)):
+  order = (("plain", plain_round), ("checked", checked_round))
+  r, rounds = 0, repeats + 1
+  while r < rounds:  # the first round warms both paths and is dropped
+    for name, fn in order if r % 2 else order[::-1]:  # alternate which goes first
       folder = os.path.join(root, f"{size}-{name}-{r}")
       result = fn(folder, state, 1)
       shutil.rmtree(folder, ignore_errors=True)
       if r:
         times[name].append(result)
+      elif name == "plain":  # small states: enough rounds for ~10 s of plain saves and restores
+        rounds = max(rounds, min(60, int(10 / max(sum(result), 1e-3)) + 1))
+    r += 1
   med = {name: [statistics.median(t[i] for t in rounds) for i in (0, 1)]
          for name, rounds in times.items()}
-  return {"size": size, "state_bytes": nbytes, "digest_s": digest_s,
+  return {"size": size, "state_bytes": nbytes, "digest_s": digest_s, "rounds": rounds - 1,
           "save_s": {k: v[0] for k, v in med.items()},
           "restore_s": {k: v[1] for k, v in med.items()},
           "save_ratio": med["checked"][0] / med["plain"][0],
           "restore_ratio": med["checked"][1] / med["plain"][1]}
 
 
+def hash_speeds(nbytes=256 * 2**20):
+  """GB/s of the candidate digests on one buffer, on one thread (why integrity uses XXH3)."""
+  import hashlib
+  import zlib
+  import xxhash
+  data = np.random.default_rng(0).integers(0, 256, nbytes, np.uint8)
+  out = {}
+  for name, fn in (("xxh3_64", xxhash.xxh3_64_hexdigest), ("crc32", zlib.crc32),
+                   ("sha256", lambda b: hashlib.sha256(b).digest())):
+    best = min(_timed(fn, data) for _ in range(3))
+    out[name] = nbytes / best / 1e9
+  return out
+
+
+def _timed(fn, data):
+  t = time.perf_counter()
+  fn(data)
+  return time.perf_counter() - t
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--sizes", default="demo,150m")
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--vocab", type=int, default=32000)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--vocab", type=int, default=None)
   ap.add_argument("--dir", help="where to write (default: a temporary folder)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   root = args.dir or tempfile.mkdtemp(prefix="maxlm-bench-ckpt-")
-  results = [bench(size, args.vocab, args.repeats, root) for size in args.sizes.split(",")]
+  vocab = {"demo": 8192, "tiny": 8192}
+  results = [bench(size, args.vocab or vocab.get(size, 32000), args.repeats, root)
+             for size in args.sizes.split(",")]
   shutil.rmtree(root, ignore_errors=True)
+  speeds = hash_speeds()
   if args.json:
-    print(json.dumps(results))
+    print(json.dumps({"models": results, "hash_gb_per_s": speeds}))
     return 0
-  print(f"{'model':<8}{'state':>10}{'digest':>9}{'save plain':>12}{'checked':>9}{'ratio':>7}"
+  print("digest speed, GB/s on one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                        speeds.items()))
+  print(f"{'model':<8}{'rounds':>7}{'state':>10}{'digest':>9}{'save plain':>12}{'checked':>9}{'ratio':>7}"
         f"{'restore plain':>15}{'checked':>9}{'ratio':>7}")
   for r in results:
-    print(f"{r['size']:<8}{r['state_bytes'] / 2**20:>7.0f} MiB{r['digest_s']:>8.2f}s"
+    print(f"{r['size']:<8}{r['rounds']:>7}{r['state_bytes'] / 2**20:>7.0f} MiB{r['digest_s']:>8.2f}s"
           f"{r['save_s']['plain']:>11.2f}s{r['save_s']['checked']:>8.2f}s"
           f"{r['save_ratio']:>7.3f}{r['restore_s']['plain']:>14.2f}s"
           f"{r['restore_s']['checked']:>8.2f}s{r['restore_ratio']:>7.3f}")

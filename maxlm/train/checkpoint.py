@@ -182,12 +182,13 @@ class Checkpoints:
   def wait(self):
     self._wait()
 
-  def close(self):
-    """Waits for a save in flight and rotates; after a failed write, only releases."""
+  def close(self, rotate=True):
+    """Waits for a save in flight and rotates; after a failed write, only releases. rotate:
+    False when the run_dir is no longer ours (its lease was lost)."""
     try:
       if not self.failed:
         self._wait()
-        if not self.read_only:
+        if rotate and not self.read_only:
           self._prune()
     finally:
       try:

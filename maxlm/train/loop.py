@@ -153,11 +153,13 @@ def train(config, *, stop_after=None, force=False, log=print):
   data, vocab = validate(config)
   run_dir = rundir.RunDir(config.run_dir)
   run_dir.check_writable()
-  held = lease.acquire(config.run_dir, run_dir.primary, force)
+  with metrics.write_errors(run_dir.local):
+    held = lease.acquire(config.run_dir, run_dir.primary, force)
   writer = ckpts = None
   try:
     run_dir.pull()
-    with open(os.path.join(run_dir.local, "config.yaml"), "w") as f:
+    with metrics.write_errors(run_dir.local), open(
+        os.path.join(run_dir.local, "config.yaml"), "w") as f:
       yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
     run_dir.push()
     ckpts = checkpoint.Checkpoints(config.run_dir, config.train.keep,
@@ -169,7 +171,7 @@ def train(config, *, stop_after=None, force=False, log=print):
       if writer is not None:
         writer.close()
       if ckpts is not None:
-        ckpts.close()
+        ckpts.close(rotate=not held.lost)
     finally:
       run_dir.push(log)
       held.release()
@@ -219,11 +221,11 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         finite = integrity.all_finite(m)
         if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0:
           row.update(_evaluate(nll_fn, state, data, stage, mesh, config))
+        held.check()  # another trainer took the run_dir over: write nothing more
         writer.write(g, row)
         if not finite:
           raise MaxlmError(_diverged(g, m, config, ckpts))
         ckpts.check_errors()
-        held.check()
         ran += 1
         _progress(log, s, k, steps, g, total, m, row, start_time, k0)
         last = k == steps - 1

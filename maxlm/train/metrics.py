@@ -5,8 +5,10 @@ event file is TFRecord framing (length, masked CRC-32C) around a tiny Event prot
 scalar summaries, which TensorBoard reads.
 """
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import struct
 import time
@@ -68,23 +70,46 @@ class Writer:
   """Appends metrics to metrics.jsonl and a TensorBoard event file in run_dir."""
 
   def __init__(self, run_dir):
-    os.makedirs(run_dir, exist_ok=True)
-    self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-    self.events = open(os.path.join(run_dir, name), "ab")
-    self.events.write(record(event_bytes(0, time.time(), file_version="brain.Event:2")))
+    self.run_dir = run_dir
+    with write_errors(run_dir):
+      os.makedirs(run_dir, exist_ok=True)
+      self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+      name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+      self.events = open(os.path.join(run_dir, name), "ab")
+      self.events.write(record(event_bytes(0, time.time(), file_version="brain.Event:2")))
 
   def write(self, step, values):
-    self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
-    self.jsonl.flush()
-    scalars = {k: float(v) for k, v in values.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    self.events.write(record(event_bytes(step, time.time(), scalars)))
-    self.events.flush()
+    """Appends one row; a failed write (disk full, quota) is a one-line MaxlmError."""
+    with write_errors(self.run_dir):
+      self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+      self.jsonl.flush()
+      scalars = {k: float(v) for k, v in values.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+      self.events.write(record(event_bytes(step, time.time(), scalars)))
+      self.events.flush()
 
   def close(self):
-    self.jsonl.close()
-    self.events.close()
+    for f in (getattr(self, "jsonl", None), getattr(self, "events", None)):
+      try:
+        if f is not None:
+          f.close()
+      except OSError:  # its failed write was already reported
+        pass
+
+
+@contextlib.contextmanager
+def write_errors(run_dir):
+  """Turns an OSError while writing run_dir's small files into one line saying what, where
+  and how much space is left."""
+  try:
+    yield
+  except OSError as e:
+    try:
+      free = f"; {shutil.disk_usage(run_dir).free / 2**20:.1f} MiB free there"
+    except OSError:
+      free = ""
+    raise MaxlmError(f"cannot write to run_dir {run_dir}: {e.strerror or e}{free}. Training "
+                     "stopped; earlier checkpoints are intact") from None
 
 
 def read_jsonl(run_dir):

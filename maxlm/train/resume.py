@@ -9,7 +9,10 @@ Resuming, in order:
   4. Restore the train state into the stage's shardings and check every array against its
      checksum. A corrupt or unrestorable checkpoint sends us back to step 1 with the ones
      before it: the run continues bitwise as if that checkpoint had never been written.
-     If none restores, stop with one line: never start over silently on top of a run.
+     If none restores, stop with one line: never start over on top of checkpoints that
+     may be good (unreadable ones: a transient read error, another version). Only when every
+     checkpoint is provably corrupt (its checksums fail) does the run start from step 0, as
+     if none had been written, and says so.
   5. Restore the Grain iterator and cross-check it against the step; if they disagree,
      rebuild it from the step alone (batch k of stage s is a pure function of k) and say so.
 """
@@ -86,7 +89,12 @@ def resume(ckpts, config, data, vocab, stage_parts, log):
       last = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
       log(f"checkpoint {step_no} is unreadable ({type(e).__name__}); trying the one before")
     found = ckpts.readable_before(step_no)
-  if ckpts.steps():  # never start over silently on top of a run's checkpoints
+  steps = ckpts.steps()
+  if steps and set(steps) <= ckpts.corrupt:  # provably damaged, every one: as if never written
+    log(f"every checkpoint in {ckpts.dir} is corrupt ({', '.join(map(str, steps))}); starting "
+        "from step 0 as if none had been written (they are replaced as the run saves again)")
+    return None
+  if steps:  # never start over silently on top of checkpoints that may be good
     raise MaxlmError(f"no checkpoint in {ckpts.dir} restores and verifies (last: "
                      f"{last or 'unreadable metadata'}); pass a new run_dir=, or delete that "
                      "folder to start over")
