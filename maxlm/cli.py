@@ -5,8 +5,14 @@ import signal
 import sys
 
 
+_FINISHED = False
+
+
 def _interrupted_early(signum, _):
-  """Ctrl-C or SIGTERM while the command is still importing: one line, no traceback."""
+  """Ctrl-C or SIGTERM while the command is still importing: one line, no traceback. After
+  the command has finished (and is only exiting), the signal is ignored."""
+  if _FINISHED:
+    return
   print(f"maxlm: interrupted by {signal.Signals(signum).name} while starting", file=sys.stderr)
   os._exit(128 + signum)
 
@@ -16,6 +22,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on
     signal.signal(_sig, _interrupted_early)
 
 import argparse  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import warnings  # noqa: E402
@@ -43,6 +50,9 @@ def _parser():
                  help="replace an existing data dir at --out (once the new one is complete)")
   p.add_argument("--verbose", action="store_true",
                  help="list every rejected document and skipped file, not a few per reason")
+
+  p = sub.add_parser("check-data", help="re-hash every file of a data dir against its manifest")
+  p.add_argument("data_dir")
 
   p = sub.add_parser("ledger", help="token accounting per stage and source, from the plan")
   _add_config(p)
@@ -149,6 +159,18 @@ def _check_step(cfg, stage, step, count=1):
   steps = cfg.stages[stage].num_steps
   if step < 0 or count < 1 or step + count > steps:
     raise MaxlmError(f"--step {step} --count {count}: stage {stage} has steps 0..{steps - 1}")
+
+
+def cmd_check_data(args):
+  from maxlm.data import datadir, store
+  manifest = store.load_manifest(args.data_dir)
+  bad = datadir.verify_contents(args.data_dir, manifest)
+  if bad:
+    raise MaxlmError(f"{args.data_dir}: {len(bad)} of {len(manifest['files'])} files differ "
+                     f"from their SHA-256 in manifest.json ({', '.join(bad[:5])}); re-run "
+                     f"maxlm prepare INPUT... --out {args.data_dir} --overwrite")
+  print(f"{args.data_dir}: all {len(manifest['files'])} files match manifest.json "
+        f"(fingerprint {manifest['fingerprint'][:12]})")
 
 
 def cmd_ledger(args):
@@ -270,7 +292,8 @@ def _ensure_parent(path):
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
-COMMANDS = {"prepare": cmd_prepare, "ledger": cmd_ledger, "batches": cmd_batches,
+COMMANDS = {"prepare": cmd_prepare, "check-data": cmd_check_data, "ledger": cmd_ledger,
+            "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
             "verify-restart": cmd_verify_restart, "eval": cmd_eval,
             "generate": cmd_generate,
@@ -303,7 +326,8 @@ def _quiet_excepthook(kind, value, tb, _default=sys.excepthook):
 def _quiet_unraisablehook(unraisable, _default=sys.unraisablehook):
   if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Ctrl-C landed in a gc callback,
     os.kill(os.getpid(), signal.SIGINT)  # which swallows it: deliver it again
-  elif not _closed_loop_noise(unraisable.exc_value):
+  elif not (_closed_loop_noise(unraisable.exc_value)
+            or inspect.iscoroutine(unraisable.object)):  # Orbax reads abandoned on a failure
     _default(unraisable)
 
 
@@ -319,9 +343,11 @@ def main(argv=None):
   signal.signal(signal.SIGTERM, _terminated)
   if not os.environ.get("MAXLM_DEBUG"):
     sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
+  global _FINISHED
   try:
     return _dispatch(args)
   finally:
+    _FINISHED = True
     for sig, handler in handlers.items():
       signal.signal(sig, handler)
 

@@ -91,8 +91,8 @@ class ModelConfig:
       raise ConfigError(f"{key}.size: expected one of {', '.join(MODEL_SIZES)}, got {self.size!r}")
     for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                  "loss_chunk"):
-      _at_least(f"{key}.{name}", getattr(self, name), 1)
-    _at_least(f"{key}.vocab_size", self.vocab_size, 0)
+      _in_range(f"{key}.{name}", getattr(self, name), 1, MAX_MODEL_DIM)
+    _in_range(f"{key}.vocab_size", self.vocab_size, 0, MAX_MODEL_DIM)
     _above(f"{key}.norm_eps", self.norm_eps, 0)
     _above(f"{key}.init_std", self.init_std, 0)
     _at_least(f"{key}.z_loss", self.z_loss, 0)
@@ -205,8 +205,8 @@ class StageConfig:
     return self.steps or -(-self.tokens // (self.seq_len * self.batch))
 
   def check(self, key):
-    _at_least(f"{key}.seq_len", self.seq_len, 8)
-    _at_least(f"{key}.batch", self.batch, 1)
+    _in_range(f"{key}.seq_len", self.seq_len, 8, MAX_SEQ_LEN)
+    _in_range(f"{key}.batch", self.batch, 1, MAX_BATCH)
     _at_least(f"{key}.steps", self.steps, 0)
     _at_least(f"{key}.tokens", self.tokens, 0)
     if (self.steps > 0) == (self.tokens > 0):
@@ -293,6 +293,11 @@ def _check_mix(key, mix):
 
 def _kind(value):
   return "an integer" if isinstance(value, int) else "a number"
+
+
+MAX_MODEL_DIM = 2**20  # any model size, vocabulary or chunk beyond this is a typo
+MAX_SEQ_LEN = 2**24  # 16M positions per row (the production schedule ends at 1M)
+MAX_BATCH = 2**20
 
 
 def _at_least(key, value, low):

@@ -7,6 +7,7 @@ through these functions, which use a TensorStore key-value store for every path,
 
 import functools
 import os
+import re
 import urllib.parse
 
 import tensorstore as ts
@@ -43,7 +44,15 @@ def write_bytes(path, data):
   try:
     _open(_parent(path)).write(_name(path), data).result()
   except ValueError as e:
-    raise MaxlmError(f"cannot write {path}: {str(e).splitlines()[0]}") from None
+    raise MaxlmError(f"cannot write {path}: {describe_error(e)}") from None
+
+
+def describe_error(e):
+  """The operating system's words for a TensorStore I/O error ("No space left on device
+  (errno 28)"), else its first line."""
+  text = str(e).splitlines()[0] if str(e) else type(e).__name__
+  found = re.search(r"([A-Z][\w ]+?) \[os_error_code='(\d+)'\]", text)
+  return f"{found[1]} (errno {found[2]})" if found else text[:200]
 
 
 def delete(path):

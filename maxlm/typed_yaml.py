@@ -31,7 +31,8 @@ _FLOAT = "tag:yaml.org,2002:float"
 
 class Loader(yaml.SafeLoader):
   """SafeLoader with YAML 1.2 floats: an exponent needs no dot or sign (1e-3, 1E5), and a
-  leading dot may carry a sign (-.5). YAML 1.1's forms (1.5, 1_000.5, .inf, .nan) stay."""
+  leading dot may carry a sign (-.5). YAML 1.1's forms (1.5, 1_000.5, .inf, .nan) stay, but
+  not its base-60 numbers (1:30)."""
 
 
 Loader.yaml_implicit_resolvers = {
@@ -41,9 +42,17 @@ Loader.add_implicit_resolver(_FLOAT, re.compile(r"""^(?:
     [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
   | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
   | [-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-  | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
   | [-+]?\.(?:inf|Inf|INF)
   | \.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
+
+_INT = "tag:yaml.org,2002:int"
+Loader.yaml_implicit_resolvers = {  # YAML 1.2 integers: not 1.1's 010 (8), 1:30 (90), 0b1
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _INT]
+    for first, resolvers in Loader.yaml_implicit_resolvers.items()}
+Loader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F]+|0o[0-7]+)$"),
+    list("-+0123456789"))
 
 
 class _Float(float):
@@ -104,10 +113,18 @@ def _duplicate(node, key, seen):
 
 def read_yaml(path):
   if not io.is_local(path):  # a gs:// run_dir's config.yaml
-    text = io.read_bytes(path).decode()
+    data = io.read_bytes(path)
   else:
     path = resolve_path(path)
-    text = path.read_text()
+    try:
+      data = path.read_bytes()
+    except OSError as e:
+      raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+  try:
+    text = data.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}); a config is YAML "
+                      "text") from None
   try:
     raw, duplicate = parse(text)
   except yaml.YAMLError as e:

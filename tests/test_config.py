@@ -229,3 +229,20 @@ def test_unknown_fim_source_names_the_known_sources(tmp_path, two_source_dir):
   for key in ("data.mix", "stages.0.mix"):  # mix names: checked by the planner
     with pytest.raises(MaxlmError, match=r"unknown source 'nosuch'; the data has: prose, code"):
       loader.Data(load(tmp_path, raw, [f"{key}={{nosuch: 1}}"]))
+
+
+def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
+  from maxlm import config as config_lib, typed_yaml
+  bom = tmp_path / "bom.yaml"
+  bom.write_bytes(b"\xef\xbb\xbfseed: 3\nstages: [{seq_len: 32, batch: 8, steps: 1}]\n")
+  assert config_lib.load(str(bom)).seed == 3
+  binary = tmp_path / "bin.yaml"
+  binary.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe")
+  with pytest.raises(typed_yaml.ConfigError, match="not a UTF-8 text file"):
+    config_lib.load(str(binary))
+  for text, value in (("010", "010"), ("1:30", "1:30"), ("0b101", "0b101"), ("0x10", 16),
+                      ("12", 12), ("-3", -3)):
+    assert typed_yaml.parse(f"a: {text}")[0]["a"] == value, text
+  with pytest.raises(typed_yaml.ConfigError, match=r"stages.0.seq_len: expected an integer in "
+                                                   r"\[8, 16777216\]"):
+    config_lib.load(str(bom), ["stages.0.seq_len=99999999999999999999999"])

@@ -171,3 +171,43 @@ def test_object_store_overwrite_replaces_files_and_a_failure_is_refused(tmp_path
     run([src], out, tok, overwrite=True)
   with pytest.raises(MaxlmError, match="has no manifest.json"):
     open_data(out)
+
+
+def test_one_prepare_per_out_at_a_time(tmp_path):
+  from maxlm.data import datadir
+  first = datadir.Staging(str(tmp_path / "out"))
+  with pytest.raises(MaxlmError, match=r"another maxlm prepare \(pid \d+\) is writing --out"):
+    datadir.Staging(str(tmp_path / "out"))
+  first.abort()
+  datadir.Staging(str(tmp_path / "out")).abort()  # released: the next one may start
+
+
+def test_check_data_finds_a_same_size_change_the_open_check_cannot(tmp_path):
+  root = str(tmp_path / "d")
+  datagen.write_data_dir(root, datagen.make_docs([40, 7, 90], seed=1))
+  maxlm = [sys.executable, "-m", "maxlm.cli", "check-data", root]
+  ok = subprocess.run(maxlm, capture_output=True, text=True)
+  assert ok.returncode == 0 and "all 3 files match manifest.json" in ok.stdout, ok.stderr
+  shard = tmp_path / "d" / "tokens-00000.bin"
+  data = bytearray(shard.read_bytes())
+  data[100] ^= 0xFF
+  shard.write_bytes(bytes(data))
+  open_data(root)  # the cheap check at open passes: same size
+  bad = subprocess.run(maxlm, capture_output=True, text=True)
+  assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+  assert "1 of 3 files differ from their SHA-256 in manifest.json (tokens-00000.bin)" in bad.stderr
+
+
+def test_prepare_from_the_command_line_prints_no_traceback(tmp_path, tok):
+  corpus = write_corpus(tmp_path / "c.jsonl", "plain", n=40)
+  for _ in range(3):  # worker shutdown used to print KeyboardInterrupt tracebacks at random
+    proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", corpus, "--out",
+                           str(tmp_path / "out"), "--tokenizer", tok, "--overwrite"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_write_errors_are_the_operating_systems_words():
+  text = ('OUT_OF_RANGE: Failed writing: "/x/tokens-00000.bin.__lock": Failed to write 10 bytes '
+          "to file 6: No space left on device [os_error_code='28']")
+  assert io.describe_error(ValueError(text)) == "No space left on device (errno 28)"

@@ -144,6 +144,7 @@ def test_resume_on_changed_data_is_refused_unless_allowed(runs, tmp_path):
                                        "set data.allow_changed=true"):
     loop.train(cfg, log=lines.append)
   assert len(metrics.read_jsonl(cfg.run_dir)) == before
+  assert other not in (tmp_path / "run" / "config.yaml").read_text()  # a refusal writes nothing
   allowed = config_lib.load(str(runs[0]), [f"run_dir={cfg.run_dir}", f"data.dir={other}",
                                            "data.allow_changed=true"])
   assert loop.train(allowed, stop_after=1, log=lines.append)["resumed_from"] == 8
@@ -230,6 +231,11 @@ def test_array_digests_see_one_flipped_bit():
   integrity.check_meta(5, json.loads(json.dumps(meta)))
   with pytest.raises(integrity.CorruptCheckpoint, match="checkpoint 5 is corrupt"):
     integrity.check_meta(5, {**meta, "stage": 1})
+  legacy = {"stage": 0, "config": {}}
+  integrity.check_meta(5, legacy)  # written before checksums: accepted
+  stripped = {k: v for k, v in {**meta, "finite": True}.items() if k != "integrity"}
+  with pytest.raises(integrity.CorruptCheckpoint, match="its metadata lost its checksums"):
+    integrity.check_meta(5, stripped)  # a renamed key must not switch checking off
   assert integrity.check_iterator(meta, {"next_index": 3}, 3) is None
   assert "differs from the one recorded" in integrity.check_iterator(meta, {"next_index": 0}, 3)
   assert integrity.check_iterator({}, {"next_index": 0}, 3) == (

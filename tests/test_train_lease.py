@@ -114,3 +114,34 @@ def _dead_pid():
   proc = subprocess.Popen([sys.executable, "-c", "pass"])
   proc.wait()
   return proc.pid
+
+
+def test_local_takeover_is_seen_by_the_holder_and_garbage_is_no_licence(tmp_path):
+  first = lease.Lease(tmp_path).acquire()
+  try:
+    first.check()
+    other = {"host": "elsewhere", "pid": 7, "start": "now", "token": "theirs"}
+    (tmp_path / "lease.json").write_text(json.dumps(other))  # as --force from another host
+    with pytest.raises(MaxlmError, match="lost the lease on run_dir .* to pid 7 on host "
+                                         "elsewhere"):
+      first.check()
+  finally:
+    first.release()
+  holder = hold_in_child(tmp_path)
+  try:
+    (tmp_path / "lease.json").write_text("garbage{")
+    with pytest.raises(MaxlmError, match="in use by another process .*alive on this host"):
+      lease.Lease(tmp_path).acquire(force=True)
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def test_a_lease_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+  target = tmp_path / "precious.txt"
+  target.write_text("keep me")
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "lease.json").symlink_to(target)
+  with pytest.raises(MaxlmError, match="cannot be opened as the run_dir's lease"):
+    lease.Lease(tmp_path / "run").acquire()
+  assert target.read_text() == "keep me"

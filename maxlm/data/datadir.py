@@ -21,6 +21,7 @@ and checks only that every listed file exists with its listed size (a stat, or t
 ranged reads on an object store), never re-hashing shards.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -66,6 +67,7 @@ class Staging:
       above = above.parent
     if not above.is_dir():
       raise MaxlmError(f"cannot write --out {self.out}: {above} is a file, not a folder")
+    self._lock(out)
     self._clean_stale(out)
     try:
       if out.is_dir():
@@ -77,6 +79,38 @@ class Staging:
       self.dir.mkdir()
     except OSError as e:
       raise MaxlmError(f"cannot write --out {self.out}: {e.strerror or e}") from None
+
+  def _lock(self, out):
+    """One prepare per --out: an flock on the sibling `.OUT.prepare-lock`, held to the end and
+    then removed (a lock taken on a file already unlinked by its last holder does not count)."""
+    self._lock_path = out.parent / f".{out.name}.prepare-lock"
+    try:
+      out.parent.mkdir(parents=True, exist_ok=True)
+      self._lock_file = open(self._lock_path, "a+")
+      fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      if os.stat(self._lock_path).st_ino != os.fstat(self._lock_file.fileno()).st_ino:
+        raise BlockingIOError
+    except (BlockingIOError, FileNotFoundError):
+      self._lock_file.seek(0)
+      holder = self._lock_file.read().strip() or "another process"
+      raise MaxlmError(f"another maxlm prepare ({holder}) is writing --out {self.out}; wait for "
+                       "it to finish, or choose another --out") from None
+    except OSError as e:
+      raise MaxlmError(f"cannot write --out {self.out}: {e.strerror or e}") from None
+    self._lock_file.seek(0)
+    self._lock_file.truncate()
+    self._lock_file.write(f"pid {os.getpid()}")
+    self._lock_file.flush()
+
+  def release(self):
+    lock = getattr(self, "_lock_file", None)
+    if lock is not None:
+      try:
+        os.unlink(self._lock_path)
+      except OSError:
+        pass
+      lock.close()  # closing drops the flock
+      self._lock_file = None
 
   def _clean_stale(self, out):
     pattern = re.compile(re.escape(out.name) + r"\.(partial|old)-(\d+)")
@@ -129,6 +163,7 @@ class Staging:
     io.write_bytes(io.join(self.dir, MANIFEST), json.dumps(manifest, indent=1).encode())
     if self.local:
       self._swap()
+      self.release()
     else:
       for name in self.old:
         if name not in self.files and name != MANIFEST:
@@ -151,7 +186,9 @@ class Staging:
   def abort(self):
     """Removes what a failed prepare wrote (an old local data dir is untouched)."""
     if self.local:
-      shutil.rmtree(self.dir, ignore_errors=True)
+      if hasattr(self, "dir"):
+        shutil.rmtree(self.dir, ignore_errors=True)
+      self.release()
       return
     for name in self.files:
       io.delete(io.join(self.dir, name))
@@ -188,6 +225,17 @@ def verify(data_dir, manifest):
     if found != want:
       raise MaxlmError(f"data.dir {data_dir!r}: {name} has {found} bytes, expected {want}; "
                        f"{_RERUN.format(data_dir)}")
+
+
+def verify_contents(data_dir, manifest):
+  """Re-hashes every file the manifest lists (slow: reads the whole data dir); returns the
+  names whose SHA-256 differs, after the cheap checks of `verify`."""
+  verify(data_dir, manifest)
+  bad = []
+  for name, want in sorted(manifest["files"].items()):
+    if hashlib.sha256(io.read_bytes(io.join(data_dir, name))).hexdigest() != want["sha256"]:
+      bad.append(name)
+  return bad
 
 
 def _sizes(data_dir, files):

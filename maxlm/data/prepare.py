@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import signal
 
 import numpy as np
 import tqdm
@@ -44,6 +45,8 @@ _SP = None
 
 def _init_worker(model_proto):
   global _SP
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # terminate() ends a worker quietly
   _SP = tokenizer.load(model_proto)
 
 

@@ -11,14 +11,41 @@ def open_run(run_dir, overrides=()):
     raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
   config = config_lib.load(path, [*overrides, f"run_dir={run_dir}"])
   data, vocab = loop.validate(config)
-  ckpts = checkpoint.Checkpoints(run_dir, config.train.keep, False, log=print, read_only=True)
+  for attempt in range(3):  # a live trainer may rotate a checkpoint out while we read it
+    try:
+      state, meta, step = _latest(run_dir, config, data, vocab)
+      break
+    except _Rotated as e:
+      if attempt == 2:
+        raise MaxlmError(str(e)) from None
+  s = meta["stage"]
+  parts = loop.stage_parts(config, s, vocab)
+  return config, data, s, parts.mesh, parts.model, state["params"], step
+
+
+def _latest(run_dir, config, data, vocab):
+  """(state, meta, step) of the newest checkpoint that verifies (read-only: a run may be
+  training in run_dir)."""
   try:
-    found = resume.resume(ckpts, config, data, vocab, loop.stage_parts, log=print)
+    ckpts = checkpoint.Checkpoints(run_dir, config.train.keep, False, log=print, read_only=True)
+  except MaxlmError as e:  # a step folder vanished while Orbax listed them
+    raise _Rotated(str(e)) from None
+  try:
+    before = ckpts.steps()
+    try:
+      found = resume.resume(ckpts, config, data, vocab, loop.stage_parts, log=print,
+                            reader=True)
+    except MaxlmError as e:
+      if sorted(ckpts.manager.all_steps(read=True)) != before:
+        raise _Rotated(str(e)) from None
+      raise
     if found is None:
       raise MaxlmError(f"{run_dir} has no readable checkpoint yet")
     state, meta, step, _ = found
-    s = meta["stage"]
+    return state, meta, step
   finally:
     ckpts.close()
-  parts = loop.stage_parts(config, s, vocab)
-  return config, data, s, parts.mesh, parts.model, state["params"], step
+
+
+class _Rotated(MaxlmError):
+  """The checkpoints changed while we read them (a trainer is running in run_dir)."""

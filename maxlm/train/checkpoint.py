@@ -23,7 +23,6 @@ import dataclasses
 import errno
 import logging
 import os
-import re
 import shutil
 
 import grain
@@ -113,9 +112,7 @@ class Checkpoints:
 
   def _write_error(self, step, e):
     self.failed = True
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    os_error = re.search(r"([A-Z][\w ]+?) \[os_error_code='(\d+)'\]", text)
-    text = f"{os_error[1]} (errno {os_error[2]})" if os_error else text[:200]
+    text = io.describe_error(e)
     where = f"checkpoint {step}" if step is not None else "a checkpoint"
     space = ""
     if io.is_local(self.dir) and os.path.isdir(self.dir):

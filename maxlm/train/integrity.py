@@ -83,15 +83,25 @@ def seal(meta, state, iterator_state):
   return meta
 
 
+_WRITTEN_WITH_CHECKSUMS = ("integrity", "finite", "data_fingerprint")
+
+
 def is_sealed(meta):
   return "integrity" in meta
 
 
 def check_meta(step, meta):
-  """Raises CorruptCheckpoint unless the metadata matches its own digest."""
+  """Raises CorruptCheckpoint unless the metadata matches its own digest. A checkpoint from
+  before checksums has none of the keys written alongside them; one that has some of them but
+  lost its checksums was damaged."""
+  if not isinstance(meta, dict):
+    raise CorruptCheckpoint(step, "its metadata is not a JSON object")
   if not is_sealed(meta):
+    if any(key in meta for key in _WRITTEN_WITH_CHECKSUMS):
+      raise CorruptCheckpoint(step, "its metadata lost its checksums")
     return
-  if meta["integrity"].get("meta") != _meta_hash(meta):
+  record = meta["integrity"]
+  if not isinstance(record, dict) or record.get("meta") != _meta_hash(meta):
     raise CorruptCheckpoint(step, "its metadata does not match its checksum")
 
 

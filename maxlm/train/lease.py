@@ -13,6 +13,9 @@ multi-host job takes it for all):
            another holder's version marks this one lost, and the loop stops at the next step.
 A refused start exits 2 with one line naming the holder and `--force`, for when the holder is
 known to be dead (another host's process on a shared file system, or an unexpired object).
+Locally `--force` never takes over from a lock this kernel holds for a live process; a holder
+on another host sharing the file system sees the new holder's token at its next step (it
+re-reads lease.json then) and stops without writing more.
 """
 
 import datetime
@@ -51,7 +54,17 @@ def _alive(pid):
   return True
 
 
+def _read_holder(text):
+  try:
+    holder = json.loads(text or "{}")
+  except ValueError:
+    return {}
+  return holder if isinstance(holder, dict) else {}
+
+
 def _describe(holder):
+  if not holder.get("pid"):
+    return "another process (its lease.json does not say which)"
   return (f"pid {holder.get('pid')} on host {holder.get('host')} (started "
           f"{holder.get('start')})")
 
@@ -81,6 +94,8 @@ class Lease:
     return self
 
   def check(self):
+    if self._file is not None and not self.lost:
+      self._check_local()
     if self.lost:
       raise MaxlmError(f"lost the lease on run_dir {self.run_dir} to {self.lost}; this run "
                        "stopped without saving so as not to overwrite the other's checkpoints")
@@ -103,27 +118,39 @@ class Lease:
   # local: an flock the kernel releases when the holder dies
   def _acquire_local(self, force):
     path = os.path.join(self.run_dir, NAME)
-    f = open(path, "a+")
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+      raise MaxlmError(f"{path} cannot be opened as the run_dir's lease ({e.strerror}); it must "
+                       "be a regular file: remove it if it is not") from None
+    f = os.fdopen(fd, "r+")
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-      f.seek(0)
-      try:
-        holder = json.loads(f.read() or "{}")
-      except ValueError:
-        holder = {}
+      holder = _read_holder(f.read())
+      f.close()
       if not force:
-        f.close()
         _refuse(self.run_dir, holder)
-      if holder.get("host") == socket.gethostname() and _alive(int(holder.get("pid", -1))):
-        f.close()
+      if holder.get("host") in (None, socket.gethostname()):  # the kernel says it is alive
         raise MaxlmError(f"run_dir {self.run_dir} is in use by {_describe(holder)}, which is "
                          "alive on this host: --force takes over only from a dead run")
+      f = os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+")  # another host's, on a
+      # shared file system whose locks do not reach us: that holder sees the new token and stops
     f.seek(0)
     f.truncate()
     f.write(json.dumps(self.holder))
     f.flush()
     self._file = f
+
+  def _check_local(self):
+    """Sets `lost` when lease.json names another holder (taken over with --force)."""
+    try:
+      with open(os.path.join(self.run_dir, NAME)) as f:
+        now = _read_holder(f.read())
+    except OSError:
+      return
+    if now.get("token") not in (None, self.holder["token"]):
+      self.lost = _describe(now)
 
   # object store: a conditionally written object with an expiry, renewed by a heartbeat
   def _kv(self):
@@ -136,10 +163,7 @@ class Lease:
     kv = self._kv()
     found = kv.read(NAME).result()
     if found.state == "value":
-      try:
-        other = json.loads(found.value)
-      except ValueError:
-        other = {"expires": 0}
+      other = _read_holder(found.value) or {"expires": 0}
       left = float(other.get("expires", 0)) - time.time()
       dead_here = (other.get("host") == socket.gethostname()
                    and not _alive(int(other.get("pid", -1))))
@@ -148,7 +172,7 @@ class Lease:
     written = kv.write(NAME, self._record(), if_equal=found.stamp.generation).result()
     if not written.generation:
       now = kv.read(NAME).result()
-      holder = json.loads(now.value) if now.state == "value" else {}
+      holder = _read_holder(now.value) if now.state == "value" else {}
       _refuse(self.run_dir, holder, " (it took the lease at the same moment)")
     self._generation = written.generation
     self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="maxlm-lease")
@@ -163,10 +187,7 @@ class Lease:
         continue
       if not written.generation:
         now = kv.read(NAME).result()
-        try:
-          self.lost = _describe(json.loads(now.value)) if now.state == "value" else "nobody"
-        except ValueError:
-          self.lost = "an unreadable lease"
+        self.lost = _describe(_read_holder(now.value)) if now.state == "value" else "nobody"
         return
       self._generation = written.generation
 

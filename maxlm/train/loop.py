@@ -158,10 +158,6 @@ def train(config, *, stop_after=None, force=False, log=print):
   writer = ckpts = None
   try:
     run_dir.pull()
-    with metrics.write_errors(run_dir.local), open(
-        os.path.join(run_dir.local, "config.yaml"), "w") as f:
-      yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
-    run_dir.push()
     ckpts = checkpoint.Checkpoints(config.run_dir, config.train.keep,
                                    config.train.async_checkpoints, log)
     writer = metrics.Writer(run_dir.local)
@@ -186,6 +182,10 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
   ran, summary, first_row = 0, {"resumed_from": None}, {}
   try:
     found = resume.resume(ckpts, config, data, vocab, stage_parts, log)
+    with metrics.write_errors(run_dir.local), open(  # only once the run_dir accepted this config
+        os.path.join(run_dir.local, "config.yaml"), "w") as f:
+      yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
+    run_dir.push()
     if found is not None:
       state, meta, step_no, changed = found
       stage0, k0, consumed = meta["stage"], meta["stage_step"], meta.get("consumed", {})
@@ -252,7 +252,8 @@ def _diverged(g, m, config, ckpts):
   return (f"step {g + 1}: non-finite values ({values}); stopped without saving, {kept}. "
           f"Likely cause: train.lr={config.train.lr} too high for this model (lower it, or "
           f"raise train.warmup_steps={config.train.warmup_steps}), or train.eps="
-          f"{config.train.eps} / model.norm_eps={config.model.norm_eps} too small")
+          f"{config.train.eps} / model.norm_eps={config.model.norm_eps} too small, or damaged "
+          f"data (check it: maxlm check-data {config.data.dir})")
 
 
 def _loss_tokens(data, s, k, consumed):

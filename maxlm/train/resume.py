@@ -52,12 +52,16 @@ def check_same_model(config, vocab, meta):
                    "was trained with")
 
 
-def check_same_data(config, data, meta, step_no, log):
+def check_same_data(config, data, meta, step_no, log, reader=False):
   """None if the checkpoint was trained on this data dir; else the old fingerprint when the
-  config allows the change, or a one-line error."""
+  config allows the change (or a reader only evaluates), or a one-line error."""
   saved, now = meta.get("data_fingerprint"), data_fingerprint(data)
   if saved is None or saved == now:
     return None
+  if reader:
+    log(f"note: checkpoint {step_no} was trained on other data than {config.data.dir} holds "
+        "now; evaluating on the data as it is now")
+    return saved
   if not config.data.allow_changed:
     raise MaxlmError(f"checkpoint {step_no} was trained on other data than {config.data.dir} "
                      f"holds now (fingerprint {saved[:16]} there, {now[:16]} here): resume "
@@ -68,14 +72,15 @@ def check_same_data(config, data, meta, step_no, log):
   return saved
 
 
-def resume(ckpts, config, data, vocab, stage_parts, log):
+def resume(ckpts, config, data, vocab, stage_parts, log, reader=False):
   """(state, meta, step, old data fingerprint or None) from the newest checkpoint that
-  verifies, or None when run_dir has no checkpoints."""
+  verifies, or None when run_dir has no checkpoints. reader: for eval and generate, which
+  never start over and accept changed data with a note."""
   found, last = ckpts.latest_readable(), None
   while found is not None:
     step_no, meta = found
     check_same_model(config, vocab, meta)
-    changed = check_same_data(config, data, meta, step_no, log)
+    changed = check_same_data(config, data, meta, step_no, log, reader)
     try:
       state = restore_state(ckpts, step_no, meta, config, vocab, stage_parts)
       if meta.get("planner"):
@@ -90,6 +95,9 @@ def resume(ckpts, config, data, vocab, stage_parts, log):
       log(f"checkpoint {step_no} is unreadable ({type(e).__name__}); trying the one before")
     found = ckpts.readable_before(step_no)
   steps = ckpts.steps()
+  if reader and steps:
+    raise MaxlmError(f"no checkpoint in {ckpts.dir} restores and verifies (last: "
+                     f"{last or 'unreadable metadata'})")
   if steps and set(steps) <= ckpts.corrupt:  # provably damaged, every one: as if never written
     log(f"every checkpoint in {ckpts.dir} is corrupt ({', '.join(map(str, steps))}); starting "
         "from step 0 as if none had been written (they are replaced as the run saves again)")
