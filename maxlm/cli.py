@@ -22,6 +22,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on
     signal.signal(_sig, _interrupted_early)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -50,6 +51,26 @@ def _parser():
                  help="replace an existing data dir at --out (once the new one is complete)")
   p.add_argument("--verbose", action="store_true",
                  help="list every rejected document and skipped file, not a few per reason")
+  p.add_argument("--lang", action="append", metavar="CODES|SOURCE=CODES",
+                 help="accepted languages of prose, e.g. en or en,de; any skips language ID; "
+                      "SOURCE=CODES for one source (default: en)")
+  p.add_argument("--filters", choices=("on", "off"), default="on",
+                 help="line cleaning, Gopher quality and repetition, code rules")
+  p.add_argument("--dedup", choices=("on", "off"), default="on",
+                 help="exact and MinHash near-duplicate removal across sources")
+  p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
+                 help="one threshold or setting, e.g. gopher_min_words=20 or bands=20")
+  p.add_argument("--quality", metavar="FILE.yaml", help="quality settings (see docs/data.md)")
+  p.add_argument("--rejected", metavar="FILE.jsonl", help="one line per removed document")
+  p.add_argument("--funnel-png", metavar="FILE.png", help="draw the funnel")
+  p.add_argument("--engine", choices=("local", "datatrove"), default="local",
+                 help="run the per-document quality work in a local process pool, or as "
+                      "datatrove tasks (the [cluster] extra; see docs/data.md)")
+  p.add_argument("--tasks", type=int, default=None, help="datatrove tasks (default: --workers)")
+
+  p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
+  p.add_argument("data_dir")
+  p.add_argument("--png", metavar="FILE.png")
 
   p = sub.add_parser("check-data", help="re-hash every file of a data dir against its manifest")
   p.add_argument("data_dir")
@@ -118,10 +139,58 @@ def cmd_prepare(args):
     raise MaxlmError(f"--vocab-size must be >= 300 (bytes and specials), got {args.vocab_size}")
   if not 0 <= args.val_fraction < 1:
     raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+  if args.tasks is not None and args.tasks < 1 or args.workers is not None and args.workers < 1:
+    raise MaxlmError("--tasks and --workers must be >= 1")
+  quality = _quality_config(args)
+  if args.rejected:
+    _ensure_parent(args.rejected)
   manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
                              args.val_fraction, args.workers, overwrite=args.overwrite,
-                             verbose=args.verbose)
+                             verbose=args.verbose, quality=quality, rejected=args.rejected,
+                             engine=args.engine, tasks=args.tasks)
   _print_manifest(manifest, args.out, args.verbose)
+  _show_funnel(manifest, args.funnel_png)
+
+
+def _quality_config(args):
+  from maxlm.data import quality
+  overrides = [f"filters={args.filters == 'on'}", f"dedup={args.dedup == 'on'}"]
+  by_source = {}
+  for item in args.lang or ():
+    source, sep, codes = item.rpartition("=")
+    codes = tuple(c.strip() for c in codes.split(",") if c.strip())
+    if not codes:
+      raise MaxlmError(f"--lang {item!r}: expected language codes, e.g. en or en,de or any")
+    if sep:
+      by_source[source] = codes
+    else:
+      overrides.append(f"lang=[{','.join(codes)}]")
+  config = quality.load(args.quality, overrides + list(args.filter))
+  if by_source:
+    config = dataclasses.replace(config, lang_by_source={**config.lang_by_source, **by_source})
+  return config
+
+
+def _show_funnel(manifest, png=None, title="prepare funnel"):
+  from maxlm.data.quality import funnel
+  if not manifest.get("funnel"):
+    if png:
+      raise MaxlmError("this data dir was prepared without the quality steps: no funnel")
+    return
+  print(funnel.table(manifest["funnel"]))
+  if png:
+    _ensure_parent(png)
+    funnel.save_png(manifest["funnel"], png, title)
+    print(f"wrote {png}")
+
+
+def cmd_funnel(args):
+  from maxlm.data import store
+  manifest = store.load_manifest(args.data_dir)
+  if not manifest.get("funnel"):
+    raise MaxlmError(f"{args.data_dir} was prepared without the quality steps (--filters off "
+                     "--dedup off --lang any, or an older maxlm): no funnel")
+  _show_funnel(manifest, args.png, f"funnel of {args.data_dir}")
 
 
 def _print_manifest(manifest, out, verbose=False):
@@ -292,7 +361,7 @@ def _ensure_parent(path):
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
-COMMANDS = {"prepare": cmd_prepare, "check-data": cmd_check_data, "ledger": cmd_ledger,
+COMMANDS = {"prepare": cmd_prepare, "funnel": cmd_funnel, "check-data": cmd_check_data, "ledger": cmd_ledger,
             "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
             "verify-restart": cmd_verify_restart, "eval": cmd_eval,

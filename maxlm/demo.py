@@ -12,17 +12,23 @@ import sys
 import time
 
 from maxlm import MaxlmError, config as config_lib, io
-from maxlm.data import corpus, ledger, loader, prepare, show, store
+from maxlm.data import corpus, ledger, loader, prepare, quality, show, store
+from maxlm.data.quality import funnel
 from maxlm.train import metrics
 
 SAMPLE_PROMPTS = ("def ", "The ", "import ")
 
 
+# The demo's prose is package documentation, not web text: C4's line cleaning would keep
+# under a tenth of it, so the demo shows language ID and dedup only.
+DEMO_QUALITY = quality.QualityConfig(filters=False)
+
+
 def _prepared(data_dir):
   """Whether data_dir holds a complete data dir of this maxlm (one from before data dirs
-  listed their files is prepared again)."""
+  listed their files, or had a funnel, is prepared again)."""
   try:
-    return "fingerprint" in store.load_manifest(data_dir)
+    return "funnel" in store.load_manifest(data_dir)
   except MaxlmError:
     return False
 
@@ -40,10 +46,14 @@ def run(config_name="demo"):
   if not _prepared(cfg.data.dir):
     print(f"[2/7] training the tokenizer and preparing {cfg.data.dir}")
     prepare.prepare([str(raw_dir / "prose.jsonl"), str(raw_dir / "code.jsonl")], cfg.data.dir,
-                    vocab_size=4096, overwrite=True)
+                    vocab_size=4096, overwrite=True, quality=DEMO_QUALITY)
   else:
     print(f"[2/7] prepared data: reusing {cfg.data.dir}")
   data = loader.Data(cfg)
+  if data.manifest.get("funnel"):
+    print("      the funnel (language ID and dedup; web text also gets the line, quality and "
+          "repetition filters: docs/data.md)")
+    print("\n".join("      " + line for line in funnel.table(data.manifest["funnel"]).split("\n")))
   for name, s in data.manifest["sources"].items():
     print(f"      {name:<8} {s['documents']:>6,} docs {s['tokens']:>10,} tokens")
   print("[3/7] the ledger of the demo schedule (from the plan, before training)")

@@ -34,6 +34,7 @@ class Report:
 
   def __init__(self, verbose=False):
     self.limit = None if verbose else _EXAMPLES
+    self.funnel = self.quality = None  # set when the quality steps ran
     self.rejected = collections.Counter({r: 0 for r in REASONS})
     self.examples = collections.defaultdict(list)
     self.skipped = collections.Counter({r: 0 for r in walk.SKIP_REASONS})

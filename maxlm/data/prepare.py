@@ -10,18 +10,22 @@ are encoded separately, so the boundaries are exact token offsets.
 """
 
 import collections
+import dataclasses
 import hashlib
 import json
 import multiprocessing
 import os
 import pathlib
+import shutil
 import signal
+import tempfile
 
 import numpy as np
 import tqdm
 
 from maxlm import MaxlmError
-from maxlm.data import datadir, sections, store, tokenizer, walk
+from maxlm.data import datadir, quality as quality_lib, sections, store, tokenizer, walk
+from maxlm.data.quality import engine as quality_engine, select
 from maxlm.data.documents import REASONS, Report, iter_documents, unique_ids  # noqa: F401
 
 
@@ -51,8 +55,10 @@ def _init_worker(model_proto):
 
 
 def encode_document(doc):
-  """(source, id, tokens, bound_pos, bound_level, no-loss intervals, utf8 bytes, split id)."""
-  return (doc["source"], doc["id"], *_encode(doc), doc.get("split_id"))
+  """(source, id, tokens, bound_pos, bound_level, no-loss intervals, utf8 bytes, split id,
+  language probability)."""
+  return (doc["source"], doc["id"], *_encode(doc), doc.get("split_id"),
+          doc.get("lang_score", float("nan")))
 
 
 def _encode(doc):
@@ -93,28 +99,59 @@ def heldout(source, doc_id, fraction):
 
 
 def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
-            workers=None, progress=True, overwrite=False, verbose=False, log=print):
+            workers=None, progress=True, overwrite=False, verbose=False, log=print,
+            quality=None, rejected=None, engine="local", tasks=None):
   """Runs the whole preparation and returns the manifest dict.
 
   Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
-  old one, with `overwrite`) only once complete.
+  old one, with `overwrite`) only once complete. quality: a `quality.QualityConfig` to filter
+  and deduplicate with (None: keep every usable document, as `quality.OFF` does); rejected: a
+  JSON Lines path listing every document the quality steps removed. engine: "local" (a
+  process pool) or "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers`
+  processes; `quality.engine`) for the per-document quality work.
   """
   report = Report(verbose)
   walk.check_inputs(inputs)
   model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
   staging = datadir.Staging(out_dir, overwrite, log)
+  spill = None
   try:
+    if quality is not None:
+      spill_dir = os.path.dirname(str(staging.dir)) if staging.local else None
+      spill, report.funnel = _select(inputs, report, quality, workers, progress, rejected,
+                                     spill_dir, engine, tasks)
+      report.quality = dataclasses.asdict(quality)
     return _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers,
-                    progress)
+                    progress, spill)
   except BaseException:
     staging.abort()
     raise
+  finally:
+    if spill is not None:
+      os.unlink(spill)
 
 
-def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers, progress):
+def _select(inputs, report, quality, workers, progress, rejected, spill_dir, engine, tasks):
+  docs = unique_ids(iter_documents(inputs, report), report)
+  inspector = quality_lib.Inspector(quality)
+  if engine == "local":
+    return select.run(docs, inspector, workers, progress, rejected, spill_dir)
+  work = tempfile.mkdtemp(prefix="maxlm-prepare-engine-", dir=spill_dir)
+  try:
+    tasks = tasks or workers or os.cpu_count()
+    quality_engine.run_datatrove(inputs, inspector, work, tasks, workers or os.cpu_count())
+    return select.run(docs, inspector, workers, progress, rejected, spill_dir,
+                      inspected=quality_engine.merged(docs, work, tasks))
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers, progress,
+             spill):
   if model_proto is None:
     first_pass, seen = Report(), []
-    docs = (seen.append(1) or d for d in iter_documents(inputs, first_pass))
+    kept = select.read_spill(spill) if spill else iter_documents(inputs, first_pass)
+    docs = (seen.append(1) or d for d in kept)
     try:
       model_proto = tokenizer.train(training_sentences(docs), vocab_size,
                                     num_threads=os.cpu_count() or 1)
@@ -128,7 +165,8 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
   writer = DataDirWriter(staging)
   with multiprocessing.get_context("fork").Pool(workers or os.cpu_count(), _init_worker,
                                                 (model_proto,)) as pool:
-    docs = unique_ids(iter_documents(inputs, report), report)
+    docs = (select.read_spill(spill) if spill else
+            unique_ids(iter_documents(inputs, report), report))
     encoded = pool.imap(encode_document, docs, chunksize=16)
     for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
       writer.add(*record)
@@ -174,8 +212,9 @@ class DataDirWriter:
     self.split_ids = []
 
   def add(self, source, doc_id, tokens, bound_pos=(), bound_level=(), no_loss=(), nbytes=0,
-          split_id=None):
+          split_id=None, lang_score=float("nan")):
     shard, offset = self.tokens.add(tokens)
+    self.cols["lang_score"].append(lang_score)
     for name, value in (("shard", shard), ("offset", offset), ("length", len(tokens)),
                         ("source", self.sources.setdefault(source, len(self.sources))),
                         ("nbytes", nbytes), ("id", doc_id)):
@@ -215,7 +254,7 @@ class DataDirWriter:
         nolos_ptr=_ptr([len(x) for x in self.no_loss]),
         nolos_start=_cat([x[:, 0] for x in self.no_loss], np.int32),
         nolos_end=_cat([x[:, 1] for x in self.no_loss], np.int32),
-        sources=list(self.sources))
+        sources=list(self.sources), lang_score=np.array(self.cols["lang_score"], np.float16))
     self.staging.write("index.npz", index.to_bytes())
     self.staging.write("doc_ids.json", json.dumps(self.doc_ids).encode())
     if model_proto is not None:
@@ -249,7 +288,16 @@ def _manifest(index, report, special, vocab_size):
       "skipped_examples": dict(report.skipped_examples),
       "renamed_ids": report.renamed,
       "renamed_id_examples": report.renamed_examples,
+      **_funnel(report, index),
       "vocab_size": vocab_size,
       "special_ids": dict(vars(special)),
       "tokenizer": "tokenizer.model",
   }
+
+
+def _funnel(report, index):
+  """The quality steps' config and funnel (with the kept tokens), when they ran."""
+  if getattr(report, "funnel", None) is None:
+    return {}
+  report.funnel.kept_tokens = int(index.length.sum())
+  return {"quality": report.quality, "funnel": report.funnel.as_json()}

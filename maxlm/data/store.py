@@ -77,6 +77,7 @@ class DocIndex:
   nolos_start: np.ndarray
   nolos_end: np.ndarray
   sources: list
+  lang_score: np.ndarray | None = None  # the language ID probability (NaN: not identified)
 
   def __len__(self):
     return len(self.length)
@@ -96,7 +97,8 @@ class DocIndex:
 
   def to_bytes(self):
     buf = _io.BytesIO()
-    arrays = {k: v for k, v in dataclasses.asdict(self).items() if k != "sources"}
+    arrays = {k: v for k, v in dataclasses.asdict(self).items()
+              if k != "sources" and v is not None}
     np.savez(buf, sources=np.array(self.sources, dtype=str), **arrays)
     return buf.getvalue()
 

@@ -1,0 +1,145 @@
+"""The data-quality half of `maxlm prepare`: what is removed before tokenizing, and why.
+
+Every document passes these steps in order; the first that removes it names its step and
+rule, which the funnel counts (documents and bytes) and `--rejected FILE.jsonl` lists:
+  1. language     prose and chat must be in one of the accepted languages (`lang.py`), with
+                  probability >= `lang_min_score`; code is exempt. The probability is kept
+                  in the doc index (`lang_score`).
+  2. lines        C4 line cleaning of prose (`rules.c4_clean`): boilerplate lines go first, so
+                  a footer shared by a site's pages cannot get whole pages dropped by step 4;
+                  a document with too little left is removed here.
+  3. quality      Gopher's document rules on the cleaned prose.
+  4. repetition   Gopher's repetition rules on the cleaned prose.
+  5. code         code documents get code rules instead of 2-4.
+  6. exact_dup    the same normalized text as an earlier kept document.
+  7. near_dup     a MinHash/LSH near-duplicate of an earlier kept document (`minhash.py`):
+                  a shared band (16 x 8 by default) and an estimated Jaccard >= 0.7.
+Steps 1-5 and the signatures run per document in prepare's worker processes; steps 6-7 are
+decided in one streaming pass in input order, so the first document of every cluster survives
+and the result is the same for any number of workers. Dedup runs across all sources. Chat
+documents get steps 1, 6 and 7 only. The validation split is drawn afterwards from what was
+kept, so no validation document is a near-duplicate of a training document.
+"""
+
+import dataclasses
+import difflib
+import math
+
+from maxlm.data.quality import lang, minhash, rules
+from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml
+
+STEPS = ("language", "lines", "quality", "repetition", "code", "exact_dup", "near_dup")
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityConfig:
+  """What `maxlm prepare` filters; a YAML file (`--quality FILE`) and `--filter KEY=VALUE`."""
+  lang: tuple[str, ...] = ("en",)  # accepted language codes; ("any",) skips language ID
+  lang_by_source: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  lang_min_score: float = 0.5  # in [0, 1]
+  filters: bool = True  # steps 2-5
+  dedup: bool = True  # steps 6-7
+  shingle_words: int = 5  # >= 1
+  num_perm: int = 128  # >= 1: MinHash functions
+  bands: int = 16  # >= 1; bands x rows <= num_perm
+  rows: int = 8  # >= 1
+  near_threshold: float = 0.7  # in [0, 1]: estimated Jaccard a band collision must reach
+  thresholds: rules.Thresholds = rules.Thresholds()
+
+  def check(self):
+    for name in ("lang_min_score", "near_threshold"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise ConfigError(f"{name}: expected a number in [0, 1], got {getattr(self, name)}")
+    for name in ("shingle_words", "num_perm", "bands", "rows"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
+    if self.bands * self.rows > self.num_perm:
+      raise ConfigError(f"bands x rows = {self.bands * self.rows} must be <= num_perm "
+                        f"({self.num_perm})")
+    for field in dataclasses.fields(self.thresholds):
+      value = getattr(self.thresholds, field.name)
+      if not value >= 0 or (isinstance(value, float) and math.isinf(value)):
+        raise ConfigError(f"thresholds.{field.name}: expected a finite number >= 0, got {value}")
+
+  def langs_for(self, source):
+    return self.lang_by_source.get(source, self.lang)
+
+  def threshold_J(self):
+    """The Jaccard similarity at which a pair becomes a candidate with probability 1/2."""
+    return (1 - 0.5 ** (1 / self.bands)) ** (1 / self.rows)
+
+
+OFF = QualityConfig(lang=("any",), filters=False, dedup=False)
+
+
+def load(path=None, overrides=()):
+  """A QualityConfig from an optional YAML file and `key=value` overrides (a bare threshold
+  name such as `gopher_min_words=20` is found under `thresholds`)."""
+  raw = read_yaml(path) if path else {}
+  names = {f.name for f in dataclasses.fields(rules.Thresholds)}
+  top = {f.name for f in dataclasses.fields(QualityConfig)}
+  for item in overrides:
+    key = item.partition("=")[0]
+    if key.split(".")[0] not in top | names:
+      near = difflib.get_close_matches(key, sorted(top | names), n=1)
+      hint = f"did you mean {near[0]!r}? " if near else ""
+      raise ConfigError(f"--filter {item!r}: unknown key {key!r}; {hint}see docs/data.md")
+    apply_override(raw, f"thresholds.{item}" if key in names else item)
+  config = build(QualityConfig, raw)
+  config.check()
+  return config
+
+
+class Inspector:
+  """Steps 1-5 and the dedup keys of one document (picklable; run in worker processes)."""
+
+  def __init__(self, config):
+    self.config = config
+    self.perms = minhash.permutations(config.num_perm) if config.dedup else None
+    self.bander = minhash.Bander(config.bands, config.rows) if config.dedup else None
+
+  def __call__(self, doc):
+    """The document (text cleaned) with `verdict`: {step, rule, lang, lang_score, exact,
+    bands, nbytes_in, and nbytes_out once line cleaning ran}; step None means it passed steps
+    1-5."""
+    texts = [m["content"] for m in doc["messages"]] if doc["kind"] == "chat" else [doc["text"]]
+    whole = "\n".join(texts)
+    verdict = {"step": None, "rule": None, "lang": None, "lang_score": float("nan"),
+               "exact": 0, "sig": None, "bands": None, "nbytes_in": len(whole.encode())}
+    doc = {**doc, "verdict": verdict}
+    accepted = self.config.langs_for(doc["source"])
+    if doc["kind"] != "code" and "any" not in accepted:
+      verdict["lang"], verdict["lang_score"] = lang.identify(whole)
+      if verdict["lang"] not in accepted:
+        verdict.update(step="language", rule=f"lang_{verdict['lang']}")
+        return doc
+      if verdict["lang_score"] < self.config.lang_min_score:
+        verdict.update(step="language", rule="lang_min_score")
+        return doc
+    if self.config.filters and doc["kind"] != "chat":
+      rule, step = self._filters(doc, verdict)
+      if rule:
+        verdict.update(step=step, rule=rule)
+        return doc
+      whole = doc["text"]
+    if self.config.dedup:
+      normalized = minhash.normalize(whole)
+      verdict["exact"] = minhash.exact_key(normalized)
+      sig = minhash.signature(minhash.shingles(normalized, self.config.shingle_words),
+                              self.perms)
+      verdict["sig"], verdict["bands"] = sig, self.bander.keys(sig)
+    return doc
+
+  def _filters(self, doc, verdict):
+    t = self.config.thresholds
+    if doc["kind"] == "code":
+      return rules.code_rules(doc["text"], t), "code"
+    cleaned, rule = rules.c4_clean(doc["text"], t)
+    if rule:
+      return rule, "lines"
+    doc["text"] = cleaned
+    verdict["nbytes_out"] = len(cleaned.encode())
+    rule = rules.gopher_quality(cleaned, t)
+    if rule:
+      return rule, "quality"
+    return rules.gopher_repetition(cleaned, t), "repetition"

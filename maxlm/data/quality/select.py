@@ -1,0 +1,83 @@
+"""The selection pass of `maxlm prepare`: documents in, the kept ones spilled to disk.
+
+1. Documents stream in input order from the walk; worker processes run the `Inspector`
+   (steps 1-5 and the dedup keys) with an ordered `imap`, so the main process sees them in
+   input order whatever the worker count.
+2. The main process decides exact and near duplicates in that order (`minhash.Deduper`),
+   counts every document in the `Funnel` and, with `--rejected`, writes a line per removal.
+3. Each kept document (its text cleaned) is appended to a JSON Lines spill file next to the
+   output; the tokenizer is trained on it and the tokenize pass reads it back.
+Memory stays bounded whatever the input size: documents are streamed, and only the dedup key
+tables and kept signatures grow (~900 bytes per kept document).
+"""
+
+import json
+import multiprocessing
+import os
+import signal
+import tempfile
+
+import tqdm
+
+from maxlm.data.quality import funnel as funnel_lib
+
+_INSPECT = None
+
+
+def _init(inspector):
+  global _INSPECT
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  _INSPECT = inspector
+
+
+def _inspect(doc):
+  return _INSPECT(doc)
+
+
+def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill_dir=None,
+        inspected=None):
+  """(spill path, Funnel): the kept documents of `docs`, in order, and the counts.
+  inspected: the documents already inspected, with their verdicts (by `engine.merged`)."""
+  from maxlm.data.quality import minhash
+  config = inspector.config
+  funnel = funnel_lib.Funnel()
+  dedup = minhash.Deduper(config.near_threshold, config.num_perm)
+  rejected = funnel_lib.Rejected(rejected_path)
+  fd, spill = tempfile.mkstemp(prefix="maxlm-kept-", suffix=".jsonl", dir=spill_dir)
+  ids = []  # kept documents' ids by their number, to name what a duplicate duplicates
+  try:
+    with os.fdopen(fd, "w") as out, multiprocessing.get_context("fork").Pool(
+        1 if inspected is not None else workers or os.cpu_count(), _init,
+        (inspector,)) as pool:
+      stream = inspected if inspected is not None else pool.imap(_inspect, docs, chunksize=16)
+      for doc in tqdm.tqdm(stream, desc="filter", unit="doc", disable=not progress):
+        verdict = doc.pop("verdict")
+        if verdict["step"] is not None:
+          funnel.count(verdict)
+          rejected.write(doc, verdict["step"], verdict["rule"])
+          continue
+        if inspector.config.dedup:
+          found = dedup.check(len(ids), verdict["exact"], verdict["sig"], verdict["bands"])
+          if found is not None:
+            kind, earlier = found
+            step = f"{kind}_dup"
+            funnel.count(verdict, step, kind)
+            rejected.write(doc, step, kind, duplicate_of=ids[earlier])
+            continue
+        funnel.count(verdict)
+        ids.append(doc["id"])
+        doc["lang_score"] = verdict["lang_score"]
+        out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+  except BaseException:
+    os.unlink(spill)
+    raise
+  finally:
+    rejected.close()
+  return spill, funnel
+
+
+def read_spill(path):
+  with open(path) as f:
+    for line in f:
+      yield json.loads(line)

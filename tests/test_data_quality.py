@@ -1,0 +1,240 @@
+"""The quality steps of prepare on planted cases made of real text from this machine: Python's
+own documentation (pydoc_data) for English prose, translation catalogs for other languages."""
+
+import gettext
+import glob
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+from pydoc_data import topics
+
+from maxlm.data import prepare, quality, store
+from maxlm.data.quality import minhash, rules
+
+
+def english_docs(n, words=400):
+  """n distinct English documents of ~`words` words, each from its own run of paragraphs."""
+  paragraphs = list(dict.fromkeys(  # the topics repeat sections: each paragraph once
+      " ".join(p.split()) for text in topics.topics.values() for p in text.split("\n\n")
+      if len(p.split()) > 25 and p.strip().endswith(".") and not p.lstrip().startswith("*")))
+  docs, at = [], 0
+  while len(docs) < n and at < len(paragraphs):
+    take = []
+    while sum(len(p.split()) for p in take) < words and at < len(paragraphs):
+      take.append(" ".join(paragraphs[at].split()))
+      at += 1
+    docs.append("\n\n".join(take))
+  assert len(docs) == n, "pydoc_data has fewer paragraphs than the test needs"
+  return docs
+
+
+def foreign_docs(n):
+  texts = []
+  for path in sorted(glob.glob("/usr/share/locale/*/LC_MESSAGES/*.mo") +
+                     glob.glob("/usr/share/vim/vim*/lang/*/LC_MESSAGES/*.mo")):
+    lang = re.search(r"/(?:locale|lang)/([a-z]{2})[_/.]", path)
+    if not lang or lang[1] in ("en",):
+      continue
+    try:
+      catalog = gettext.GNUTranslations(open(path, "rb"))._catalog
+    except Exception:  # noqa: BLE001 (a catalog this parser cannot read)
+      continue
+    strings = [v for k, v in catalog.items() if k and isinstance(v, str) and len(v) > 30]
+    if len(strings) > 40:
+      texts.append(" ".join(strings[:60]))
+    if len(texts) >= n:
+      break
+  if len(texts) < n:
+    pytest.skip("this machine has too few translation catalogs for other languages")
+  return texts
+
+
+def perturb(text, rng, fraction=0.03):
+  words = text.split(" ")
+  for i in rng.sample(range(len(words)), max(1, int(fraction * len(words)))):
+    words[i] = "changed"
+  return " ".join(words) + "\n\nShare this article with your friends and colleagues today."
+
+
+def jaccard(a, b, n=5):
+  def grams(t):
+    w = minhash.normalize(t).split()
+    return {" ".join(w[i:i + n]) for i in range(len(w) - n + 1)}
+  ga, gb = grams(a), grams(b)
+  return len(ga & gb) / len(ga | gb)
+
+
+JUNK = {
+    "nav": "\n".join(["Home | About | Products | Contact | Login", "Menu Search Cart",
+                      "Copyright 2024 All rights reserved", "Follow us on social media"] * 12),
+    "spam": ("buy cheap shoes online best cheap shoes discount shoes " * 80).strip() + ".",
+    "lorem": ("Lorem ipsum dolor sit amet, consectetur adipiscing elit. Sed do eiusmod tempor "
+              "incididunt ut labore et dolore magna aliqua. " * 20),
+    "cookies": "\n".join(["This website uses cookies to improve your experience."] * 30),
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+  rng = random.Random(0)
+  base = english_docs(90, words=250)
+  rows, truth = [], {"near": [], "exact": [], "junk": [], "foreign": []}
+  for i, text in enumerate(base):
+    rows.append({"id": f"base-{i}", "text": text, "source": "web"})
+  for i in range(0, 25):
+    rows.append({"id": f"exact-{i}", "text": base[i], "source": "mirror"})
+    truth["exact"].append(f"exact-{i}")
+  for i in range(25, 65):
+    copy = perturb(base[i], rng, fraction=(0.004, 0.008, 0.015, 0.03)[i % 4])
+    rows.append({"id": f"near-{i}", "text": copy, "source": "mirror"})
+    truth["near"].append((f"near-{i}", jaccard(base[i], copy)))
+  for name, text in JUNK.items():
+    rows.append({"id": f"junk-{name}", "text": text, "source": "web"})
+    truth["junk"].append(f"junk-{name}")
+  for i, text in enumerate(foreign_docs(5)):
+    rows.append({"id": f"foreign-{i}", "text": text, "source": "web"})
+    truth["foreign"].append(f"foreign-{i}")
+  root = tmp_path_factory.mktemp("quality")
+  path = root / "in.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return root, str(path), rows, truth
+
+
+def run(planted, workers, name):
+  root, path, _, _ = planted
+  rejected = root / f"{name}.rejected.jsonl"
+  manifest = prepare.prepare([path], str(root / name), vocab_size=600, workers=workers,
+                             progress=False, quality=quality.QualityConfig(),
+                             rejected=str(rejected), val_fraction=0.2)
+  removed = {r["id"]: r for r in map(json.loads, rejected.read_text().splitlines())}
+  return manifest, removed
+
+
+def test_planted_duplicates_junk_and_languages(planted):
+  _, _, rows, truth = planted
+  manifest, removed = run(planted, 2, "two")
+  survived = lambda copy: f"base-{copy.split('-')[1]}" not in removed  # its original was kept
+  assert all(removed[i]["step"] == "exact_dup" and removed[i]["duplicate_of"] ==
+             f"base-{i.split('-')[1]}" for i in truth["exact"] if survived(i))
+  near = [(i, j) for i, j in truth["near"] if j >= 0.8 and survived(i)]
+  assert len(near) >= 15, sorted(j for _, j in truth["near"])
+  found = [i for i, _ in near if removed.get(i, {}).get("step") == "near_dup"]
+  assert len(found) / len(near) >= 0.95, (len(found), len(near))
+  assert all(removed[i]["duplicate_of"] == f"base-{i.split('-')[1]}" for i in found)
+  base_removed = [i for i in removed if i.startswith("base-") and
+                  removed[i]["step"] in ("exact_dup", "near_dup")]
+  assert len(base_removed) <= 0.01 * 90, base_removed  # distinct documents are not merged
+  assert all(i in removed and removed[i]["step"] in ("language", "lines", "quality", "repetition")
+             for i in truth["junk"]), {i: removed.get(i) for i in truth["junk"]}
+  assert all(removed[i]["step"] == "language" for i in truth["foreign"])
+
+  funnel = manifest["funnel"]
+  for unit in ("documents", "bytes"):
+    assert funnel["input"][unit] == funnel["kept"][unit] + sum(s[unit] for s in funnel["steps"])
+  assert funnel["input"]["documents"] == len(rows)
+  assert funnel["kept"]["documents"] == sum(s["documents"] for s in manifest["sources"].values())
+  assert sum(r["documents"] for r in funnel["rules"].values()) == len(removed)
+  assert funnel["kept"]["tokens"] == sum(s["tokens"] for s in manifest["sources"].values())
+
+
+def test_output_is_byte_identical_for_one_and_two_workers(planted):
+  one, removed_one = run(planted, 1, "one")
+  two, removed_two = run(planted, 2, "two-again")
+  assert one["fingerprint"] == two["fingerprint"] and removed_one == removed_two
+
+
+def test_no_validation_document_near_duplicates_a_training_one(planted):
+  root, _, _, truth = planted
+  manifest, removed = run(planted, 2, "split")
+  index = store.load_index(str(root / "split"))
+  ids = json.loads((root / "split" / "doc_ids.json").read_text())
+  split = dict(zip(ids, index.split.tolist()))
+  pairs = [(f"base-{c.split('-')[1]}", c) for c, j in truth["near"] if j >= 0.85]
+  across = [(a, c) for a, c in pairs if a in split and prepare.heldout("mirror", c, 0.2) !=
+            (split[a] == store.VAL)]  # pairs the split would have put on both sides
+  assert across, "the planted set should hold a pair straddling the split"
+  assert not [(a, c) for a, c in pairs if a in split and c in split]
+  assert np.isfinite(index.lang_score.astype(np.float32)).all()  # prose: a language score each
+
+
+@pytest.mark.parametrize("tasks,workers", [(1, 1), (3, 2)])
+def test_datatrove_engine_gives_the_same_data_dir(planted, tasks, workers):
+  pytest.importorskip("datatrove.executor", reason="datatrove (the cluster extra) is not "
+                      "installed")
+  root, path, _, _ = planted
+  local, _ = run(planted, 2, f"engine-local-{tasks}")
+  other = prepare.prepare([path], str(root / f"engine-{tasks}"), vocab_size=600,
+                          workers=workers, progress=False, quality=quality.QualityConfig(),
+                          val_fraction=0.2, engine="datatrove", tasks=tasks)
+  assert other["fingerprint"] == local["fingerprint"]
+  assert other["funnel"] == local["funnel"]
+
+
+def test_language_any_and_filters_off_keep_everything_usable(planted):
+  root, path, rows, _ = planted
+  manifest = prepare.prepare([path], str(root / "off"), vocab_size=600, workers=1,
+                             progress=False, quality=quality.OFF)
+  assert manifest["funnel"]["kept"]["documents"] == len(rows)
+
+
+def test_code_rules_and_c4_lines():
+  t = rules.Thresholds()
+  assert rules.code_rules("# Auto-generated by protoc. DO NOT EDIT.\nx = 1\n", t) == \
+      "code_auto_generated"
+  assert rules.code_rules("x = '" + "a" * 2000 + "'\n", t) == "code_max_line_length"
+  assert rules.code_rules("def f(x):\n  return x + 1\n", t) is None
+  text = "\n".join(["Home | About", "Enable JavaScript to view this page, please.",
+                    "We use cookies. See our privacy policy for details."] +
+                   ["This sentence is a proper one and ends well."] * 6)
+  cleaned, rule = rules.c4_clean(text, t)
+  assert rule is None and cleaned.split("\n") == ["This sentence is a proper one and ends well."] * 6
+
+
+def test_minhash_signature_equals_datasketch_legacy():
+  datasketch = pytest.importorskip("datasketch", reason="datasketch (the quality-check extra) "
+                                   "is not installed")
+  import xxhash
+  perms = minhash.permutations(128)
+  for text in english_docs(20, words=150):
+    normalized = minhash.normalize(text)
+    ours = minhash.signature(minhash.shingles(normalized), perms)
+    words = normalized.split()
+    theirs = datasketch.MinHash(num_perm=128, scheme="legacy", permutations=(perms[0], perms[1]),
+                                hashfunc=xxhash.xxh64_intdigest)
+    theirs.update_batch([" ".join(words[i:i + 5]).encode() for i in range(len(words) - 4)])
+    assert (ours == theirs.hashvalues.astype(np.uint32)).all()
+
+
+def test_rules_decide_as_datatrove_does_with_the_same_word_splitter():
+  filters = pytest.importorskip("datatrove.pipeline.filters", reason="datatrove (the "
+                                "quality-check extra) is not installed")
+  from datatrove.data import Document
+  from datatrove.utils.word_tokenizers import WordTokenizer
+
+  class Whitespace(WordTokenizer):
+    def word_tokenize(self, text):
+      return text.split()
+
+    def sent_tokenize(self, text):
+      return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+
+    def span_tokenize(self, text):
+      return [(m.start(), m.end()) for m in re.finditer(r"[^.!?]+[.!?]*\s*", text)]
+
+  words = Whitespace()
+  t = rules.Thresholds()
+  pairs = (  # C4's curly-bracket rule is left out on purpose: technical prose has braces
+      (filters.GopherQualityFilter(language=words), lambda d: rules.gopher_quality(d, t)),
+      (filters.GopherRepetitionFilter(language=words), lambda d: rules.gopher_repetition(d, t)),
+      (filters.C4QualityFilter(language=words, filter_curly_bracket=False),
+       lambda d: rules.c4_clean(d, t)[1]))
+  docs = (english_docs(60, words=200) + list(JUNK.values()) +
+          [d + "\n\n" + d for d in english_docs(10, words=100)] +
+          [" ".join(d.split()[:40]) for d in english_docs(5, words=60)])
+  for theirs, ours in pairs:
+    agree = sum((theirs.filter(Document(text=d, id=str(i))) is True) == (ours(d) is None)
+                for i, d in enumerate(docs))
+    assert agree == len(docs), (type(theirs).__name__, agree, len(docs))
