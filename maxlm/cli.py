@@ -67,6 +67,9 @@ def _parser():
                  help="run the per-document quality work in a local process pool, or as "
                       "datatrove tasks (the [cluster] extra; see docs/data.md)")
   p.add_argument("--tasks", type=int, default=None, help="datatrove tasks (default: --workers)")
+  p.add_argument("--inspect-dir", metavar="WORK",
+                 help="datatrove tasks' records: used if complete (run on a cluster), else "
+                      "written there")
 
   p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
   p.add_argument("data_dir")
@@ -147,7 +150,8 @@ def cmd_prepare(args):
   manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
                              args.val_fraction, args.workers, overwrite=args.overwrite,
                              verbose=args.verbose, quality=quality, rejected=args.rejected,
-                             engine=args.engine, tasks=args.tasks)
+                             engine=args.engine, tasks=args.tasks,
+                             inspect_dir=args.inspect_dir)
   _print_manifest(manifest, args.out, args.verbose)
   _show_funnel(manifest, args.funnel_png)
 
@@ -361,7 +365,8 @@ def _ensure_parent(path):
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
 
 
-COMMANDS = {"prepare": cmd_prepare, "funnel": cmd_funnel, "check-data": cmd_check_data, "ledger": cmd_ledger,
+COMMANDS = {"prepare": cmd_prepare, "funnel": cmd_funnel, "check-data": cmd_check_data,
+            "ledger": cmd_ledger,
             "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
             "verify-restart": cmd_verify_restart, "eval": cmd_eval,

@@ -78,3 +78,7 @@ def check_batch_rules(batch):
     for a, b in zip(starts, list(starts[1:]) + [used]):
       assert (pos[a:b] == np.arange(b - a)).all(), "positions restart per segment"
       assert (tgt[a:b - 1] == inp[a + 1:b]).all(), "targets are next inputs inside a segment"
+
+
+# `maxlm prepare` flags that keep every usable document (for tests about other things)
+QUALITY_OFF = ("--filters", "off", "--dedup", "off", "--lang", "any")

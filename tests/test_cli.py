@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 import datagen
+from datagen import QUALITY_OFF
 
 
 def maxlm(*args):
@@ -75,7 +76,7 @@ def test_prepare_cli(tmp_path):
   src = tmp_path / "in.jsonl"
   src.write_text("\n".join(json.dumps({"id": f"d{i}", "text": f"Document {i} says hello. " * 20})
                            for i in range(30)) + "\n{broken\n")
-  proc = maxlm("prepare", src, "--out", tmp_path / "data", "--vocab-size", 320)
+  proc = maxlm("prepare", src, "--out", tmp_path / "data", "--vocab-size", 320, *QUALITY_OFF)
   assert proc.returncode == 0, proc.stderr
   assert "malformed_json': 1" in proc.stdout
   manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())

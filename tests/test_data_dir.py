@@ -12,6 +12,7 @@ from maxlm import MaxlmError, io
 from maxlm.data import loader, prepare, store, tokenizer
 
 import datagen
+from datagen import QUALITY_OFF
 
 
 def write_corpus(path, word, n=12):
@@ -201,7 +202,8 @@ def test_check_data_finds_a_same_size_change_the_open_check_cannot(tmp_path):
 def test_prepare_from_the_command_line_prints_no_traceback(tmp_path, tok):
   corpus = write_corpus(tmp_path / "c.jsonl", "plain", n=40)
   for _ in range(3):  # worker shutdown used to print KeyboardInterrupt tracebacks at random
-    proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", corpus, "--out",
+    proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", corpus, *QUALITY_OFF,
+                           "--out",
                            str(tmp_path / "out"), "--tokenizer", tok, "--overwrite"],
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

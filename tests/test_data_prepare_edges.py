@@ -12,6 +12,8 @@ import pytest
 from maxlm import MaxlmError
 from maxlm.data import prepare, store, tokenizer
 
+from datagen import QUALITY_OFF
+
 PANGRAM = "The quick brown fox jumps over the lazy dog; 0123456789 times. "
 
 
@@ -205,7 +207,8 @@ def test_cli_prints_reasons_names_and_one_line_errors(tmp_path, tok):
   os.symlink(tmp_path / "gone", root / "dangling")
   (root / b"caf\xe9.txt".decode(errors="surrogateescape")).write_text(PANGRAM)
   out = tmp_path / "data"
-  cli = lambda *a: subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", *map(str, a)],
+  cli = lambda *a: subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", *QUALITY_OFF,
+                                   *map(str, a)],
                                   capture_output=True, text=True)
   proc = cli(root, "--out", out, "--tokenizer", tok, "--verbose")
   assert proc.returncode == 0, proc.stderr

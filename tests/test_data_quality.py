@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from pydoc_data import topics
 
+from maxlm import MaxlmError
 from maxlm.data import prepare, quality, store
 from maxlm.data.quality import minhash, rules
 
@@ -173,6 +174,24 @@ def test_datatrove_engine_gives_the_same_data_dir(planted, tasks, workers):
   assert other["funnel"] == local["funnel"]
 
 
+def test_records_from_a_cluster_are_merged_into_the_same_data_dir(planted):
+  from maxlm.data.quality import engine
+  root, path, _, _ = planted
+  local, _ = run(planted, 2, "cluster-local")
+  work = str(root / "cluster-work")
+  inspector = quality.Inspector(quality.QualityConfig())
+  for rank in (2, 0, 1):  # as three cluster tasks would, in any order
+    list(engine.inspect_shard([path], inspector, work, rank=rank, world_size=3))
+  merged = prepare.prepare([path], str(root / "cluster"), vocab_size=600, workers=2,
+                           progress=False, quality=quality.QualityConfig(), val_fraction=0.2,
+                           engine="datatrove", tasks=3, inspect_dir=work)
+  assert merged["fingerprint"] == local["fingerprint"]
+  with pytest.raises(MaxlmError, match="task 0 inspected with other quality settings"):
+    prepare.prepare([path], str(root / "cluster-other"), vocab_size=600, workers=2,
+                    progress=False, quality=quality.load(None, ["gopher_min_words=10"]),
+                    engine="datatrove", tasks=3, inspect_dir=work)
+
+
 def test_language_any_and_filters_off_keep_everything_usable(planted):
   root, path, rows, _ = planted
   manifest = prepare.prepare([path], str(root / "off"), vocab_size=600, workers=1,
@@ -190,7 +209,8 @@ def test_code_rules_and_c4_lines():
                     "We use cookies. See our privacy policy for details."] +
                    ["This sentence is a proper one and ends well."] * 6)
   cleaned, rule = rules.c4_clean(text, t)
-  assert rule is None and cleaned.split("\n") == ["This sentence is a proper one and ends well."] * 6
+  assert rule is None
+  assert cleaned.split("\n") == ["This sentence is a proper one and ends well."] * 6
 
 
 def test_minhash_signature_equals_datasketch_legacy():

@@ -154,10 +154,11 @@ def main(argv=None):
     return 0
   print("digest speed, GB/s on one thread: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                         speeds.items()))
-  print(f"{'model':<8}{'rounds':>7}{'state':>10}{'digest':>9}{'save plain':>12}{'checked':>9}{'ratio':>7}"
-        f"{'restore plain':>15}{'checked':>9}{'ratio':>7}")
+  print(f"{'model':<8}{'rounds':>7}{'state':>10}{'digest':>9}{'save plain':>12}{'checked':>9}"
+        f"{'ratio':>7}{'restore plain':>15}{'checked':>9}{'ratio':>7}")
   for r in results:
-    print(f"{r['size']:<8}{r['rounds']:>7}{r['state_bytes'] / 2**20:>7.0f} MiB{r['digest_s']:>8.2f}s"
+    print(f"{r['size']:<8}{r['rounds']:>7}{r['state_bytes'] / 2**20:>7.0f} MiB"
+          f"{r['digest_s']:>8.2f}s"
           f"{r['save_s']['plain']:>11.2f}s{r['save_s']['checked']:>8.2f}s"
           f"{r['save_ratio']:>7.3f}{r['restore_s']['plain']:>14.2f}s"
           f"{r['restore_s']['checked']:>8.2f}s{r['restore_ratio']:>7.3f}")

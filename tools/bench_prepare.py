@@ -133,7 +133,8 @@ def main(argv=None):
   filter_s = filters_only(inp, args.workers)
   removed = {r["id"]: r for r in map(json.loads, open(os.path.join(work, "full.rejected.jsonl")))}
   alive = [(c, o, j) for c, o, j in near if j >= 0.8 and o not in removed]
-  recall = sum(removed.get(c, {}).get("step") == "near_dup" for c, _, _ in alive) / max(len(alive), 1)
+  recall = (sum(removed.get(c, {}).get("step") == "near_dup" for c, _, _ in alive)
+            / max(len(alive), 1))
   false = sum(removed.get(d, {}).get("step") in ("near_dup", "exact_dup") for d in distinct)
   result = {
       "input_mb": mb, "workers": args.workers,

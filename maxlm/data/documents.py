@@ -20,6 +20,9 @@ import json
 import os
 import pathlib
 
+import numpy as np
+import xxhash
+
 from maxlm.data import sections, tokenizer, walk
 
 TEXT_SUFFIXES = frozenset(".txt .md .markdown .rst .text".split())
@@ -74,27 +77,34 @@ def iter_documents(inputs, report):
   """Yields dicts {source, id, where, kind, text | messages} and counts what it rejects."""
   for path, shown, source in walk.iter_files(inputs, report, _kind):
     kind = _kind(os.path.basename(path)) or "prose"
+    if kind == "jsonl":
+      yield from _jsonl_documents(path, shown, report)
+      continue
     data = walk.read(path, shown, report)
     if data is None:
       continue
-    if kind != "jsonl":
-      text = _decode(data, shown, report)
-      if text is not None and _nonblank(text, shown, report):
-        yield {"source": source, "id": shown, "where": shown, "kind": kind, "text": text}
-      continue
-    name = os.path.basename(shown)
-    for number, line in enumerate(data.split(b"\n"), 1):
-      if line.strip():
-        doc = _parse_line(line, f"{shown}:{number}", report)
-        if doc is not None:
-          doc.setdefault("source", os.path.splitext(name)[0])
-          doc.setdefault("id", f"{name}:{number}")
-          yield {**doc, "where": f"{shown}:{number}"}
+    text = _decode(data, shown, report)
+    if text is not None and _nonblank(text, shown, report):
+      yield {"source": source, "id": shown, "where": shown, "kind": kind, "text": text}
+
+
+def _jsonl_documents(path, shown, report):
+  """A JSON Lines file's documents, read a line at a time (memory stays one line)."""
+  name = os.path.basename(shown)
+  for number, line in enumerate(walk.read_lines(path, shown, report), 1):
+    if line.strip():
+      doc = _parse_line(line, f"{shown}:{number}", report)
+      if doc is not None:
+        doc.setdefault("source", os.path.splitext(name)[0])
+        doc.setdefault("id", f"{name}:{number}")
+        yield {**doc, "where": f"{shown}:{number}"}
 
 
 def unique_ids(docs, report):
-  """Renames a repeated id "x" to "x#2", "x#3"... (counted); `split_id` keeps the original."""
-  seen, next_n = set(), {}
+  """Renames a repeated id "x" to "x#2", "x#3"... (counted); `split_id` keeps the original.
+  The ids seen are kept as 64-bit hashes in a numpy table (~32 bytes a document, not the ~240
+  of a Python set of strings), so a corpus of any size fits."""
+  seen, next_n = _IdSet(), {}
   for doc in docs:
     doc_id = doc["id"]
     if doc_id in seen:
@@ -106,6 +116,25 @@ def unique_ids(docs, report):
       report.rename(f"{doc_id!r} at {doc['where']} -> {doc['id']!r}")
     seen.add(doc["id"])
     yield doc
+
+
+class _IdSet:
+  """A set of strings as their XXH3-64 hashes (a collision renames an id it need not have)."""
+
+  def __init__(self):
+    from maxlm.data.quality.minhash import KeyTable
+    self.table = KeyTable()
+
+  @staticmethod
+  def _key(text):
+    return np.array([xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass")) | 1],
+                    np.uint64)
+
+  def __contains__(self, text):
+    return int(self.table.get(self._key(text))[0]) >= 0
+
+  def add(self, text):
+    self.table.put(self._key(text), 0)
 
 
 def _encodable(*texts):

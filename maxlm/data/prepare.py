@@ -100,7 +100,7 @@ def heldout(source, doc_id, fraction):
 
 def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
             workers=None, progress=True, overwrite=False, verbose=False, log=print,
-            quality=None, rejected=None, engine="local", tasks=None):
+            quality=None, rejected=None, engine="local", tasks=None, inspect_dir=None):
   """Runs the whole preparation and returns the manifest dict.
 
   Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
@@ -108,7 +108,8 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   and deduplicate with (None: keep every usable document, as `quality.OFF` does); rejected: a
   JSON Lines path listing every document the quality steps removed. engine: "local" (a
   process pool) or "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers`
-  processes; `quality.engine`) for the per-document quality work.
+  processes; `quality.engine`) for the per-document quality work; inspect_dir: where its
+  tasks' records are, or go (default: a temporary folder).
   """
   report = Report(verbose)
   walk.check_inputs(inputs)
@@ -119,7 +120,7 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
     if quality is not None:
       spill_dir = os.path.dirname(str(staging.dir)) if staging.local else None
       spill, report.funnel = _select(inputs, report, quality, workers, progress, rejected,
-                                     spill_dir, engine, tasks)
+                                     spill_dir, engine, tasks, inspect_dir)
       report.quality = dataclasses.asdict(quality)
     return _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers,
                     progress, spill)
@@ -131,19 +132,21 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
       os.unlink(spill)
 
 
-def _select(inputs, report, quality, workers, progress, rejected, spill_dir, engine, tasks):
+def _select(inputs, report, quality, workers, progress, rejected, spill_dir, engine, tasks,
+            inspect_dir):
   docs = unique_ids(iter_documents(inputs, report), report)
   inspector = quality_lib.Inspector(quality)
   if engine == "local":
     return select.run(docs, inspector, workers, progress, rejected, spill_dir)
-  work = tempfile.mkdtemp(prefix="maxlm-prepare-engine-", dir=spill_dir)
+  work = inspect_dir or tempfile.mkdtemp(prefix="maxlm-prepare-engine-", dir=spill_dir)
   try:
     tasks = tasks or workers or os.cpu_count()
     quality_engine.run_datatrove(inputs, inspector, work, tasks, workers or os.cpu_count())
     return select.run(docs, inspector, workers, progress, rejected, spill_dir,
-                      inspected=quality_engine.merged(docs, work, tasks))
+                      inspected=quality_engine.merged(docs, work, tasks, inspector))
   finally:
-    shutil.rmtree(work, ignore_errors=True)
+    if inspect_dir is None:
+      shutil.rmtree(work, ignore_errors=True)
 
 
 def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers, progress,
@@ -167,7 +170,7 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
                                                 (model_proto,)) as pool:
     docs = (select.read_spill(spill) if spill else
             unique_ids(iter_documents(inputs, report), report))
-    encoded = pool.imap(encode_document, docs, chunksize=16)
+    encoded = select.bounded_imap(pool, encode_document, docs)
     for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
       writer.add(*record)
   if not writer.doc_ids:
@@ -194,10 +197,15 @@ def _read_tokenizer(path):
 
 
 def _no_documents(inputs, report):
+  removed = ""
+  if report.funnel is not None and report.funnel.input[0]:
+    rules = {k: v[0] for k, v in report.funnel.rules.items() if v[0]}
+    removed = (f"; the quality steps removed all {report.funnel.input[0]:,}: {rules} (see "
+               "docs/data.md; --filters off --dedup off --lang any keeps everything)")
   return MaxlmError(f"no usable documents in {', '.join(map(str, inputs))} "
                     f"(rejected: {dict(+report.rejected) or 'none'}; "
                     f"skipped: {dict(+report.skipped) or 'none'}; "
-                    f"skipped files: {dict(report.skipped_files) or 'none'})")
+                    f"skipped files: {dict(report.skipped_files) or 'none'}{removed})")
 
 
 class DataDirWriter:

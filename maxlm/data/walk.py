@@ -153,6 +153,17 @@ def _stem(path):
   return os.path.splitext(os.path.basename(path))[0]
 
 
+def read_lines(path, where, report):
+  """The file's lines (bytes, without the newline), streamed; an unreadable file, or a read
+  error part way, is counted as unreadable."""
+  try:
+    with open(path, "rb") as f:
+      for line in f:
+        yield line.rstrip(b"\n")
+  except OSError:
+    report.skip("unreadable", where)
+
+
 def read(path, where, report):
   """The file's bytes, or None (counted as unreadable) if it cannot be opened or read."""
   try:

@@ -8,7 +8,8 @@ cost grows with the input; they shard by document. With `--engine datatrove`:
      documents that passed).
   2. `LocalPipelineExecutor(tasks, workers)` runs the tasks on this machine; on a cluster the
      same step runs under datatrove's `SlurmPipelineExecutor` or `RayPipelineExecutor`
-     (docs/data.md shows how), with WORK on a shared file system.
+     (docs/data.md shows how), with WORK on a shared file system; `maxlm prepare
+     --engine datatrove --inspect-dir WORK` then uses the records instead of running them.
   3. `merged` reads the records back merged by document number, so dedup, the funnel and
      everything after see exactly the sequence the in-process path produces: the data dir is
      byte-identical for any engine, task count and worker count.
@@ -18,6 +19,7 @@ engines measured here (21 packages, against Ray's 57 and Apache Beam's 32 with a
 downgrade); it is an optional extra (`pip install -e '.[cluster]'`).
 """
 
+import dataclasses
 import functools
 import heapq
 import json
@@ -33,6 +35,8 @@ def inspect_shard(inputs, inspector, work, data=None, rank=0, world_size=1):
   """The datatrove step: inspect this task's documents and write their records in order."""
   del data
   os.makedirs(os.path.join(work, "inspect"), exist_ok=True)
+  with open(os.path.join(work, "inspect", f"{rank:05d}.config.json"), "w") as f:
+    json.dump(_config_json(inspector), f)
   report = Report()
   path = os.path.join(work, "inspect", f"{rank:05d}.jsonl")
   with open(path + ".partial", "w") as out:
@@ -52,8 +56,20 @@ def inspect_shard(inputs, inspector, work, data=None, rank=0, world_size=1):
   yield from ()
 
 
+def _config_json(inspector):
+  return json.loads(json.dumps(dataclasses.asdict(inspector.config)))
+
+
+def done(work, tasks):
+  return all(os.path.exists(os.path.join(work, "inspect", f"{r:05d}.jsonl"))
+             for r in range(tasks))
+
+
 def run_datatrove(inputs, inspector, work, tasks, workers):
-  """Runs the inspect step as `tasks` datatrove tasks on `workers` local processes."""
+  """Runs the inspect step as `tasks` datatrove tasks on `workers` local processes, unless
+  WORK already holds every task's records (run elsewhere, e.g. on a Slurm cluster)."""
+  if done(work, tasks):
+    return
   try:
     from datatrove.executor import LocalPipelineExecutor
   except ImportError:
@@ -69,8 +85,13 @@ def run_datatrove(inputs, inspector, work, tasks, workers):
                      f"{os.path.join(work, 'logs')}")
 
 
-def merged(docs, work, tasks):
+def merged(docs, work, tasks, inspector):
   """`docs` (in input order) with their verdicts read back from the tasks' records."""
+  for r in range(tasks):
+    with open(os.path.join(work, "inspect", f"{r:05d}.config.json")) as f:
+      if json.load(f) != _config_json(inspector):
+        raise MaxlmError(f"{work}: task {r} inspected with other quality settings than "
+                         "this prepare's; rerun the tasks with the same settings")
   files = [open(os.path.join(work, "inspect", f"{r:05d}.jsonl")) for r in range(tasks)]
   try:
     records = heapq.merge(*(map(json.loads, f) for f in files), key=lambda r: r["number"])

@@ -14,13 +14,14 @@
 5. Decide in input order: a document whose exact hash was already seen on a kept document,
    or which shares a band key with a kept document whose signature agrees with its own on at
    least `near_threshold` (0.7) of the 128 values (the estimate of their Jaccard similarity),
-   is a duplicate of that (earlier) document; otherwise it is kept and its keys remembered. So the survivor of every cluster is its first document in input
-   order, and the result never depends on how many processes computed the signatures.
+   is a duplicate of that (earlier) document; otherwise it is kept and its keys remembered.
+   So the survivor of every cluster is its first document in input order, and the result
+   never depends on how many processes computed the signatures.
 
 Why our own rather than datasketch or datatrove: signatures are computed in prepare's worker
 processes per document and decided in one streaming pass in input order, with memory bounded
-by ~900 bytes per kept document (its signature and `KeyTable` slots, below): datasketch's MinHashLSH keeps Python
-objects per key (kilobytes per document) and datatrove's pipeline writes signature files and
+by ~900 bytes per kept document (its signature and `KeyTable` slots, below): datasketch's
+MinHashLSH keeps Python objects per key (kilobytes per document) and datatrove's pipeline writes signature files and
 sorts them in separate stages whose survivor depends on the task count. numpy + xxhash computes
 9,000 signatures a second per core here, twice datasketch's default path.
 """

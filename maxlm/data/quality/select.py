@@ -11,6 +11,7 @@ Memory stays bounded whatever the input size: documents are streamed, and only t
 tables and kept signatures grow (~900 bytes per kept document).
 """
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -35,6 +36,17 @@ def _inspect(doc):
   return _INSPECT(doc)
 
 
+def bounded_imap(pool, fn, items, window=2048, chunksize=16):
+  """`pool.imap(fn, items)` in input order, reading at most `window` items ahead: the pool's
+  own imap queues the whole input at once, which would hold a corpus in memory."""
+  items = iter(items)
+  while True:
+    batch = list(itertools.islice(items, window))
+    if not batch:
+      return
+    yield from pool.imap(fn, batch, chunksize=chunksize)
+
+
 def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill_dir=None,
         inspected=None):
   """(spill path, Funnel): the kept documents of `docs`, in order, and the counts.
@@ -50,7 +62,7 @@ def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill
     with os.fdopen(fd, "w") as out, multiprocessing.get_context("fork").Pool(
         1 if inspected is not None else workers or os.cpu_count(), _init,
         (inspector,)) as pool:
-      stream = inspected if inspected is not None else pool.imap(_inspect, docs, chunksize=16)
+      stream = inspected if inspected is not None else bounded_imap(pool, _inspect, docs)
       for doc in tqdm.tqdm(stream, desc="filter", unit="doc", disable=not progress):
         verdict = doc.pop("verdict")
         if verdict["step"] is not None:
