@@ -54,9 +54,9 @@ def _parser():
   p.add_argument("--lang", action="append", metavar="CODES|SOURCE=CODES",
                  help="accepted languages of prose, e.g. en or en,de; any skips language ID; "
                       "SOURCE=CODES for one source (default: en)")
-  p.add_argument("--filters", choices=("on", "off"), default="on",
+  p.add_argument("--filters", choices=("on", "off"), default=None,
                  help="line cleaning, Gopher quality and repetition, code rules")
-  p.add_argument("--dedup", choices=("on", "off"), default="on",
+  p.add_argument("--dedup", choices=("on", "off"), default=None,
                  help="exact and MinHash near-duplicate removal across sources")
   p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                  help="one threshold or setting, e.g. gopher_min_words=20 or bands=20")
@@ -145,8 +145,7 @@ def cmd_prepare(args):
   if args.tasks is not None and args.tasks < 1 or args.workers is not None and args.workers < 1:
     raise MaxlmError("--tasks and --workers must be >= 1")
   quality = _quality_config(args)
-  if args.rejected:
-    _ensure_parent(args.rejected)
+  _check_outputs(args)
   manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
                              args.val_fraction, args.workers, overwrite=args.overwrite,
                              verbose=args.verbose, quality=quality, rejected=args.rejected,
@@ -156,9 +155,40 @@ def cmd_prepare(args):
   _show_funnel(manifest, args.funnel_png)
 
 
+def _check_outputs(args):
+  """--rejected and --funnel-png: writable files, not an input, not inside an input folder or
+  --out (which the new data dir replaces), checked before any work."""
+  def inside(path, folder):
+    return os.path.commonpath([path, folder]) == folder
+  out = os.path.realpath(args.out) if io.is_local(args.out) else None
+  for flag, path in (("--rejected", args.rejected), ("--funnel-png", args.funnel_png)):
+    if not path:
+      continue
+    real = os.path.realpath(path)
+    for given in args.inputs:
+      source = os.path.realpath(given)
+      if real == source or (os.path.isdir(source) and inside(real, source)):
+        raise MaxlmError(f"{flag} {path} is (or is inside) the input {given}; write it "
+                         "elsewhere")
+    if out and inside(real, out):
+      raise MaxlmError(f"{flag} {path} is inside --out {args.out}, which the new data dir "
+                       "replaces; write it elsewhere")
+    if os.path.isdir(real):
+      raise MaxlmError(f"{flag} {path} is a folder; give a file name")
+    if flag == "--funnel-png" and not path.lower().endswith(".png"):
+      raise MaxlmError(f"--funnel-png {path}: give a .png file name")
+    try:
+      _ensure_parent(path)
+      with open(path, "a"):
+        pass
+    except OSError as e:
+      raise MaxlmError(f"{flag} {path} cannot be written ({e.strerror})") from None
+
+
 def _quality_config(args):
   from maxlm.data import quality
-  overrides = [f"filters={args.filters == 'on'}", f"dedup={args.dedup == 'on'}"]
+  overrides = [f"{name}={value == 'on'}" for name, value in (("filters", args.filters),
+                                                             ("dedup", args.dedup)) if value]
   by_source = {}
   for item in args.lang or ():
     source, sep, codes = item.rpartition("=")
@@ -192,8 +222,8 @@ def cmd_funnel(args):
   from maxlm.data import store
   manifest = store.load_manifest(args.data_dir)
   if not manifest.get("funnel"):
-    raise MaxlmError(f"{args.data_dir} was prepared without the quality steps (--filters off "
-                     "--dedup off --lang any, or an older maxlm): no funnel")
+    raise MaxlmError(f"{args.data_dir} was prepared by a maxlm without the quality steps: no "
+                     "funnel")
   _show_funnel(manifest, args.png, f"funnel of {args.data_dir}")
 
 

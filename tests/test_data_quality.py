@@ -258,3 +258,37 @@ def test_rules_decide_as_datatrove_does_with_the_same_word_splitter():
     agree = sum((theirs.filter(Document(text=d, id=str(i))) is True) == (ours(d) is None)
                 for i, d in enumerate(docs))
     assert agree == len(docs), (type(theirs).__name__, agree, len(docs))
+
+
+def test_hostile_flags_are_one_line_before_any_work(tmp_path):
+  import subprocess
+  import sys
+  corpus = tmp_path / "in.jsonl"
+  corpus.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n"
+                            for i, t in enumerate(english_docs(6, words=120))))
+  before = corpus.read_bytes()
+  cases = ((["--rejected", str(corpus)], "is (or is inside) the input"),
+           (["--rejected", str(tmp_path / "out" / "r.jsonl")], "is inside --out"),
+           (["--funnel-png", str(tmp_path / "f.xyz")], "give a .png file name"),
+           (["--lang", "xx"], "unknown language code 'xx'"),
+           (["--filter", "gopher_min_word=1"], "did you mean 'gopher_min_words'"))
+  for flags, message in cases:
+    proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "prepare", str(corpus), "--out",
+                           str(tmp_path / "out"), "--vocab-size", "400", *flags],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and corpus.read_bytes() == before
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_quality_file_is_not_overridden_and_code_keeps_its_symbols(tmp_path):
+  (tmp_path / "q.yaml").write_text("filters: false\ndedup: true\nlang: [any]\n")
+  config = quality.load(str(tmp_path / "q.yaml"))
+  assert not config.filters and config.dedup
+  inspect = quality.Inspector(config)
+  plus, minus = ({"source": "c", "id": n, "kind": "code",
+                  "text": f"def f(a, b):\n  return a {op} b\n"} for n, op in (("p1", "+"), ("p2", "-")))
+  assert inspect(plus)["verdict"]["exact"] != inspect(minus)["verdict"]["exact"]
+  emoji = {"source": "s", "id": "e", "kind": "prose", "text": "😀😀😀 🎉🎉"}
+  marks = {"source": "s", "id": "m", "kind": "prose", "text": "!!! ??? ..."}
+  assert inspect(emoji)["verdict"]["exact"] != inspect(marks)["verdict"]["exact"]

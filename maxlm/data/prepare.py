@@ -160,7 +160,7 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
                                     num_threads=os.cpu_count() or 1)
     except RuntimeError as e:
       if not seen:
-        raise _no_documents(inputs, first_pass) from None
+        raise _no_documents(inputs, report if spill else first_pass) from None
       raise MaxlmError(tokenizer.training_failure(e, vocab_size)) from None
   sp = tokenizer.load(model_proto)
   special = tokenizer.special_ids(sp)

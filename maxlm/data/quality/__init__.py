@@ -47,6 +47,18 @@ class QualityConfig:
   thresholds: rules.Thresholds = rules.Thresholds()
 
   def check(self):
+    known = None
+    for key, codes in [("lang", self.lang)] + [(f"lang_by_source.{s}", c)
+                                               for s, c in self.lang_by_source.items()]:
+      if not codes:
+        raise ConfigError(f"{key}: expected language codes (e.g. [en]) or [any], got []")
+      if "any" in codes:
+        continue
+      known = known or lang.known()
+      unknown = [c for c in codes if c not in known]
+      if unknown:
+        raise ConfigError(f"{key}: unknown language code {unknown[0]!r}; use ISO 639-1 codes "
+                          f"in lower case, e.g. en, de, fr, zh (any skips language ID)")
     for name in ("lang_min_score", "near_threshold"):
       if not 0 <= getattr(self, name) <= 1:
         raise ConfigError(f"{name}: expected a number in [0, 1], got {getattr(self, name)}")
@@ -123,7 +135,7 @@ class Inspector:
         return doc
       whole = doc["text"]
     if self.config.dedup:
-      normalized = minhash.normalize(whole)
+      normalized = minhash.normalize(whole, doc["kind"])
       verdict["exact"] = minhash.exact_key(normalized)
       sig = minhash.signature(minhash.shingles(normalized, self.config.shingle_words),
                               self.perms)

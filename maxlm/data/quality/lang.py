@@ -19,6 +19,11 @@ def _identifier():
   return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
 
 
+def known():
+  """The language codes the model can return."""
+  return frozenset(_identifier().nb_classes)
+
+
 def identify(text):
   """(ISO 639-1 code, probability in [0, 1]) of the text's language."""
   lang, prob = _identifier().classify(text[:MAX_CHARS])

@@ -1,7 +1,8 @@
 """Exact and near-duplicate detection: normalized-text hashes, MinHash signatures, LSH bands.
 
-1. Normalize: lowercase, every non-word character becomes a space, whitespace collapses.
-   Exact duplicates are documents whose normalized text has the same XXH3-128 hash.
+1. Normalize: lowercase, every non-word character becomes a space, whitespace collapses (for
+   code, and text without any word character, only whitespace collapses: there the symbols
+   are the content). Exact duplicates have the same XXH3-128 hash of the normalized text.
 2. Shingle: the word 5-grams of the normalized text, each hashed to 64 bits with xxh64
    (a document shorter than 5 words is one shingle).
 3. Sign: 128 hash functions h_i(x) = ((a_i x + b_i) mod (2^61 - 1)) mod 2^32, the minimum over
@@ -36,8 +37,11 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 _NON_WORD = re.compile(r"[\W_]+")
 
 
-def normalize(text):
-  return _NON_WORD.sub(" ", text.lower()).strip()
+def normalize(text, kind="prose"):
+  """Prose: lowercase words (punctuation and spacing ignored). Code, and text with no word
+  characters at all: only spacing ignored, since there the symbols are the content."""
+  words = _NON_WORD.sub(" ", text.lower()).strip() if kind != "code" else ""
+  return words or " ".join(text.split())
 
 
 def exact_key(normalized):
