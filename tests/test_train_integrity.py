@@ -18,20 +18,11 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.train import checkpoint, integrity, loop, metrics, verify
 
 import datagen
-from test_train import ROOT, small_config
+from test_train import ROOT, data_dir, small_config  # noqa: F401 (data_dir: a fixture)
 
 
 def quiet(*_):
   pass
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  rng = np.random.default_rng(0)
-  lengths = rng.lognormal(np.log(40), 0.8, 200).astype(int) + 1
-  sources = ["prose" if i % 2 else "code" for i in range(len(lengths))]
-  return datagen.write_data_dir(tmp_path_factory.mktemp("integrity") / "data",
-                                datagen.make_docs(lengths, sources), val_fraction=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -172,28 +163,27 @@ def test_non_finite_step_stops_before_saving(runs, tmp_path):
     ckpts.close()
 
 
-def _limit_file_size(limit):
+def train_with_file_size_limit(path, run_dir, limit=None, *args):
+  """`maxlm train` in a child whose writes past `limit` bytes fail (EFBIG), as on a full disk."""
   def apply():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-  return apply
+  env = {**os.environ, "MAXLM_COMPILE_CACHE": "off"}
+  return subprocess.run(
+      [sys.executable, "-m", "maxlm.cli", "train", str(path), f"run_dir={run_dir}", *args],
+      cwd=ROOT, capture_output=True, text=True, env=env, preexec_fn=apply if limit else None)
 
 
 def test_failed_checkpoint_write_stops_training_at_once(runs, tmp_path):
   path, _, _ = runs
-  env = {**os.environ, "MAXLM_COMPILE_CACHE": "off"}
-  proc = subprocess.run(
-      [sys.executable, "-m", "maxlm.cli", "train", str(path), f"run_dir={tmp_path / 'run'}"],
-      cwd=ROOT, capture_output=True, text=True, env=env, preexec_fn=_limit_file_size(60_000))
+  proc = train_with_file_size_limit(path, tmp_path / "run", 60_000)
   assert proc.returncode == 2, proc.stderr
   assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
   assert "could not write checkpoint 3 to" in proc.stderr
   assert "earlier checkpoints are intact" in proc.stderr
   rows = metrics.read_jsonl(str(tmp_path / "run"))
   assert [r["step"] for r in rows][-1] <= 4  # at most the step in flight when it failed
-  rerun = subprocess.run(
-      [sys.executable, "-m", "maxlm.cli", "train", str(path), f"run_dir={tmp_path / 'run'}",
-       "--stop-after", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
+  rerun = train_with_file_size_limit(path, tmp_path / "run", None, "--stop-after", "1")
   assert rerun.returncode == 0, rerun.stderr
   leftovers = [n for n in os.listdir(tmp_path / "run" / "checkpoints") if "tmp" in n]
   assert leftovers == []
@@ -201,10 +191,7 @@ def test_failed_checkpoint_write_stops_training_at_once(runs, tmp_path):
 
 def test_a_run_dir_that_cannot_be_written_at_start_is_one_line(runs, tmp_path):
   path, _, _ = runs
-  env = {**os.environ, "MAXLM_COMPILE_CACHE": "off"}
-  proc = subprocess.run(
-      [sys.executable, "-m", "maxlm.cli", "train", str(path), f"run_dir={tmp_path / 'run'}"],
-      cwd=ROOT, capture_output=True, text=True, env=env, preexec_fn=_limit_file_size(16))
+  proc = train_with_file_size_limit(path, tmp_path / "run", 16)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
   assert f"cannot write to run_dir {tmp_path / 'run'}: File too large" in proc.stderr

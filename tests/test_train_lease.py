@@ -14,8 +14,7 @@ import pytest
 from maxlm import MaxlmError, io
 from maxlm.train import lease, metrics
 
-from test_train import ROOT, small_config
-from test_train_integrity import data_dir  # noqa: F401 (a module fixture)
+from test_train import ROOT, data_dir, small_config  # noqa: F401 (data_dir: a fixture)
 
 HOLD = ("import sys, time; from maxlm.train import lease; "
         "held = lease.Lease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
