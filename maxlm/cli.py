@@ -21,11 +21,13 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on
   for _sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_sig, _interrupted_early)
 
+import _thread  # noqa: E402
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import threading  # noqa: E402
 import warnings  # noqa: E402
 
 from maxlm import MaxlmError, config as config_lib, io  # noqa: E402
@@ -429,7 +431,8 @@ def _quiet_excepthook(kind, value, tb, _default=sys.excepthook):
 
 def _quiet_unraisablehook(unraisable, _default=sys.unraisablehook):
   if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Ctrl-C landed in a gc callback,
-    os.kill(os.getpid(), signal.SIGINT)  # which swallows it: deliver it again
+    threading.Timer(0.01, _thread.interrupt_main).start()  # which swallows it: deliver it
+    # again once this hook has returned (raised inside the hook, it would be swallowed too)
   elif not (_closed_loop_noise(unraisable.exc_value)
             or inspect.iscoroutine(unraisable.object)):  # Orbax reads abandoned on a failure
     _default(unraisable)
