@@ -24,6 +24,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on
 import _thread  # noqa: E402
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
@@ -445,6 +446,7 @@ def _terminated(signum, _):
 def main(argv=None):
   warnings.filterwarnings("ignore", category=DeprecationWarning)
   args = _parser().parse_args(argv)
+  _import_early(args.command)
   handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
   signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: KeyboardInterrupt
   signal.signal(signal.SIGTERM, _terminated)
@@ -459,9 +461,26 @@ def main(argv=None):
       signal.signal(sig, handler)
 
 
+_HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still exits at once,
+    # since a KeyboardInterrupt inside a C extension's import can crash the interpreter later
+    "train": ("maxlm.train.loop",), "verify-restart": ("maxlm.train.loop",),
+    "eval": ("maxlm.eval.run",), "generate": ("maxlm.eval.run", "maxlm.eval.generate"),
+    "demo": ("maxlm.demo",), "prepare": ("maxlm.data.prepare",),
+    "ledger": ("maxlm.data.loader",), "batches": ("maxlm.data.loader",),
+    "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",)}
+
+
+def _import_early(command):
+  enable_compile_cache()
+  for name in _HEAVY_IMPORTS.get(command, ()):
+    try:
+      importlib.import_module(name)
+    except ImportError:  # reported, with its message, when the command imports it
+      pass
+
+
 def _dispatch(args):
   try:
-    enable_compile_cache()
     code = COMMANDS[args.command](args)
   except MaxlmError as e:
     print(f"maxlm {args.command}: error: {e}", file=sys.stderr)
