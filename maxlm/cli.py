@@ -1,37 +1,19 @@
 """The `maxlm` command line: one subcommand per job, errors as one line with exit code 2."""
 
 import os
-import signal
 import sys
 
-
-_FINISHED = False
-
-
-def _interrupted_early(signum, _):
-  """Ctrl-C or SIGTERM while the command is still importing: one line, no traceback. After
-  the command has finished (and is only exiting), the signal is ignored."""
-  if _FINISHED:
-    return
-  print(f"maxlm: interrupted by {signal.Signals(signum).name} while starting", file=sys.stderr)
-  os._exit(128 + signum)
-
+from maxlm import signals
 
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on import
-  for _sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(_sig, _interrupted_early)
+  signals.install_early()
 
-import _thread  # noqa: E402
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import importlib  # noqa: E402
-import inspect  # noqa: E402
 import json  # noqa: E402
-import pathlib  # noqa: E402
-import threading  # noqa: E402
 import warnings  # noqa: E402
 
-from maxlm import MaxlmError, config as config_lib, io  # noqa: E402
+from maxlm import MaxlmError, cli_data, config as config_lib, io  # noqa: E402
 
 
 def _add_config(p):
@@ -139,120 +121,6 @@ def _parser():
   return ap
 
 
-def cmd_prepare(args):
-  from maxlm.data import prepare
-  if args.vocab_size < 300:
-    raise MaxlmError(f"--vocab-size must be >= 300 (bytes and specials), got {args.vocab_size}")
-  if not 0 <= args.val_fraction < 1:
-    raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-  if args.tasks is not None and args.tasks < 1 or args.workers is not None and args.workers < 1:
-    raise MaxlmError("--tasks and --workers must be >= 1")
-  quality = _quality_config(args)
-  _check_outputs(args)
-  manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
-                             args.val_fraction, args.workers, overwrite=args.overwrite,
-                             verbose=args.verbose, quality=quality, rejected=args.rejected,
-                             engine=args.engine, tasks=args.tasks,
-                             inspect_dir=args.inspect_dir)
-  _print_manifest(manifest, args.out, args.verbose)
-  _show_funnel(manifest, args.funnel_png)
-
-
-def _check_outputs(args):
-  """--rejected and --funnel-png: writable files, not an input, not inside an input folder or
-  --out (which the new data dir replaces), checked before any work."""
-  def inside(path, folder):
-    return os.path.commonpath([path, folder]) == folder
-  out = os.path.realpath(args.out) if io.is_local(args.out) else None
-  for flag, path in (("--rejected", args.rejected), ("--funnel-png", args.funnel_png)):
-    if not path:
-      continue
-    real = os.path.realpath(path)
-    for given in args.inputs:
-      source = os.path.realpath(given)
-      if real == source or (os.path.isdir(source) and inside(real, source)):
-        raise MaxlmError(f"{flag} {path} is (or is inside) the input {given}; write it "
-                         "elsewhere")
-    if out and inside(real, out):
-      raise MaxlmError(f"{flag} {path} is inside --out {args.out}, which the new data dir "
-                       "replaces; write it elsewhere")
-    if os.path.isdir(real):
-      raise MaxlmError(f"{flag} {path} is a folder; give a file name")
-    if flag == "--funnel-png" and not path.lower().endswith(".png"):
-      raise MaxlmError(f"--funnel-png {path}: give a .png file name")
-    try:
-      _ensure_parent(path)
-      with open(path, "a"):
-        pass
-    except OSError as e:
-      raise MaxlmError(f"{flag} {path} cannot be written ({e.strerror})") from None
-
-
-def _quality_config(args):
-  from maxlm.data import quality
-  overrides = [f"{name}={value == 'on'}" for name, value in (("filters", args.filters),
-                                                             ("dedup", args.dedup)) if value]
-  by_source = {}
-  for item in args.lang or ():
-    source, sep, codes = item.rpartition("=")
-    codes = tuple(c.strip() for c in codes.split(",") if c.strip())
-    if not codes:
-      raise MaxlmError(f"--lang {item!r}: expected language codes, e.g. en or en,de or any")
-    if sep:
-      by_source[source] = codes
-    else:
-      overrides.append(f"lang=[{','.join(codes)}]")
-  config = quality.load(args.quality, overrides + list(args.filter))
-  if by_source:
-    config = dataclasses.replace(config, lang_by_source={**config.lang_by_source, **by_source})
-  return config
-
-
-def _show_funnel(manifest, png=None, title="prepare funnel"):
-  from maxlm.data.quality import funnel
-  if not manifest.get("funnel"):
-    if png:
-      raise MaxlmError("this data dir was prepared without the quality steps: no funnel")
-    return
-  print(funnel.table(manifest["funnel"]))
-  if png:
-    _ensure_parent(png)
-    funnel.save_png(manifest["funnel"], png, title)
-    print(f"wrote {png}")
-
-
-def cmd_funnel(args):
-  from maxlm.data import store
-  manifest = store.load_manifest(args.data_dir)
-  if not manifest.get("funnel"):
-    raise MaxlmError(f"{args.data_dir} was prepared by a maxlm without the quality steps: no "
-                     "funnel")
-  _show_funnel(manifest, args.png, f"funnel of {args.data_dir}")
-
-
-def _print_manifest(manifest, out, verbose=False):
-  for name, s in manifest["sources"].items():
-    print(f"  {name:<12} {s['documents']:>8,} docs {s['tokens']:>12,} tokens "
-          f"({s['heldout_documents']:,} docs held out)")
-  rejected = {k: v for k, v in manifest["rejected"].items() if v}
-  skipped = {k: v for k, v in manifest["skipped"].items() if v}
-  print(f"  rejected: {rejected or 'none'}; skipped: {skipped or 'none'}; "
-        f"skipped files: {manifest['skipped_files'] or 'none'}")
-  if manifest["renamed_ids"]:
-    print(f"  renamed duplicate ids: {manifest['renamed_ids']} "
-          f"(e.g. {manifest['renamed_id_examples'][0]})")
-  if verbose:
-    for kind, key in (("rejected", "rejected_examples"), ("skipped", "skipped_examples")):
-      for reason, examples in manifest[key].items():
-        for where in examples:
-          print(f"  {kind} {reason}: {where}")
-    for what in manifest["renamed_id_examples"]:
-      print(f"  renamed: {what}")
-  elif rejected or skipped:
-    print("  (examples in manifest.json; --verbose lists them all)")
-  print(f"wrote {out} (fingerprint {manifest['fingerprint'][:12]})")
-
-
 def _open_data(args):
   from maxlm.data import loader
   cfg = config_lib.load(args.config, args.overrides)
@@ -265,18 +133,6 @@ def _check_step(cfg, stage, step, count=1):
   steps = cfg.stages[stage].num_steps
   if step < 0 or count < 1 or step + count > steps:
     raise MaxlmError(f"--step {step} --count {count}: stage {stage} has steps 0..{steps - 1}")
-
-
-def cmd_check_data(args):
-  from maxlm.data import datadir, store
-  manifest = store.load_manifest(args.data_dir)
-  bad = datadir.verify_contents(args.data_dir, manifest)
-  if bad:
-    raise MaxlmError(f"{args.data_dir}: {len(bad)} of {len(manifest['files'])} files differ "
-                     f"from their SHA-256 in manifest.json ({', '.join(bad[:5])}); re-run "
-                     f"maxlm prepare INPUT... --out {args.data_dir} --overwrite")
-  print(f"{args.data_dir}: all {len(manifest['files'])} files match manifest.json "
-        f"(fingerprint {manifest['fingerprint'][:12]})")
 
 
 def cmd_ledger(args):
@@ -298,7 +154,7 @@ def cmd_batches(args):
   steps = range(args.step, args.step + args.count)
   arrays = loader.stack([ds[k] for k in steps])
   prov = loader.provenance_json(data, args.stage, steps, args.host_index, args.hosts)
-  _ensure_parent(args.out)
+  cli_data.ensure_parent(args.out)
   np.savez(args.out, provenance=np.array(prov), **arrays)
   shape = arrays["inputs"].shape
   print(f"wrote {args.out}: {shape[0]} batches x {shape[1]} rows x {shape[2]} positions")
@@ -312,7 +168,7 @@ def cmd_show_batch(args):
   row = show.busiest_row(batch) if args.row is None else args.row
   if not 0 <= row < len(batch["inputs"]):
     raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
-  _ensure_parent(args.out)
+  cli_data.ensure_parent(args.out)
   show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}")
   print(f"wrote {args.out}")
 
@@ -394,11 +250,8 @@ def cmd_demo(args):
   demo.run(args.config)
 
 
-def _ensure_parent(path):
-  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-
-
-COMMANDS = {"prepare": cmd_prepare, "funnel": cmd_funnel, "check-data": cmd_check_data,
+COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
+            "check-data": cli_data.cmd_check_data,
             "ledger": cmd_ledger,
             "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
@@ -419,46 +272,12 @@ def enable_compile_cache():
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _closed_loop_noise(value):
-  """After a failed async checkpoint write, TensorStore callbacks into Orbax's closed event
-  loops raise 'Event loop is closed'; the failure itself is reported in one line."""
-  return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
-
-
-def _quiet_excepthook(kind, value, tb, _default=sys.excepthook):
-  if not _closed_loop_noise(value):
-    _default(kind, value, tb)
-
-
-def _quiet_unraisablehook(unraisable, _default=sys.unraisablehook):
-  if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Ctrl-C landed in a gc callback,
-    threading.Timer(0.01, _thread.interrupt_main).start()  # which swallows it: deliver it
-    # again once this hook has returned (raised inside the hook, it would be swallowed too)
-  elif not (_closed_loop_noise(unraisable.exc_value)
-            or inspect.iscoroutine(unraisable.object)):  # Orbax reads abandoned on a failure
-    _default(unraisable)
-
-
-def _terminated(signum, _):
-  raise KeyboardInterrupt  # SIGTERM outside training (which saves first) ends like Ctrl-C
-
-
 def main(argv=None):
   warnings.filterwarnings("ignore", category=DeprecationWarning)
   args = _parser().parse_args(argv)
   _import_early(args.command)
-  handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-  signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: KeyboardInterrupt
-  signal.signal(signal.SIGTERM, _terminated)
-  if not os.environ.get("MAXLM_DEBUG"):
-    sys.excepthook, sys.unraisablehook = _quiet_excepthook, _quiet_unraisablehook
-  global _FINISHED
-  try:
+  with signals.running():
     return _dispatch(args)
-  finally:
-    _FINISHED = True
-    for sig, handler in handlers.items():
-      signal.signal(sig, handler)
 
 
 _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still exits at once,

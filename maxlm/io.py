@@ -47,6 +47,20 @@ def write_bytes(path, data):
     raise MaxlmError(f"cannot write {path}: {describe_error(e)}") from None
 
 
+def process_alive(pid):
+  """Whether a process with this pid runs on this host (a lock holder, a partial folder's
+  writer)."""
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError):
+    return True
+  return True
+
+
 def describe_error(e):
   """The operating system's words for a TensorStore I/O error ("No space left on device
   (errno 28)"), else its first line."""

@@ -1,4 +1,4 @@
-"""Test data: in-memory doc indexes and stores, synthetic data dirs, and the §1 rule checker."""
+"""Test data: in-memory doc indexes and stores, synthetic data dirs, the batch contract checker."""
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def make_config(stages, data=None, seed=0):
 
 
 def check_batch_rules(batch):
-  """Asserts DESIGN.md §1 on a batch dict of [rows, L] arrays."""
+  """Asserts the batch contract (docs/batch.md) on a batch dict of [rows, L] arrays."""
   for f in ("inputs", "targets", "segment_ids", "positions", "loss_mask"):
     assert batch[f].dtype == np.int32, f
   for r in range(batch["inputs"].shape[0]):

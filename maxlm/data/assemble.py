@@ -1,4 +1,5 @@
-"""Assembly: a row of planned pieces + the token store -> the five arrays of DESIGN.md §1.
+"""Assembly: a row of planned pieces + the token store -> the five arrays of the batch contract
+(docs/batch.md).
 
 Each piece becomes the segment [BOS if it starts the document] + context + body + [EOS if it
 ends it], its body FIM-rearranged when planned so; `inputs = s[:-1]` and `targets = s[1:]` are

@@ -116,7 +116,7 @@ class Staging:
     pattern = re.compile(re.escape(out.name) + r"\.(partial|old)-(\d+)")
     for path in sorted(out.parent.glob(f"{_glob_escape(out.name)}.*-*")):
       m = pattern.fullmatch(path.name)
-      if not m or (_alive(int(m[2])) and int(m[2]) != os.getpid()):
+      if not m or (io.process_alive(int(m[2])) and int(m[2]) != os.getpid()):
         continue
       if m[1] == "old" and not out.exists():  # killed between the two renames: put it back
         os.rename(path, out)
@@ -192,16 +192,6 @@ class Staging:
       return
     for name in self.files:
       io.delete(io.join(self.dir, name))
-
-
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except (PermissionError, OverflowError):
-    return True
-  return True
 
 
 def _glob_escape(name):

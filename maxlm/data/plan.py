@@ -2,7 +2,8 @@
 
 It touches lengths only, never tokens, so every host computes the same global plan quickly.
 Why our own rather than Grain's packers: those mix per element not per token, raise on
-documents longer than L, and tie their state to worker count and per-host batch (DESIGN.md §2).
+documents longer than L, and tie their state to worker count and per-host batch
+(docs/architecture.md).
 
 Per stage the planner
   1. draws documents from one pool per source, each in a seeded permutation per epoch;

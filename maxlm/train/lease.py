@@ -44,16 +44,6 @@ def _holder():
           "start": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
-
-
 def _read_holder(text):
   try:
     holder = json.loads(text or "{}")
@@ -166,7 +156,7 @@ class Lease:
       other = _read_holder(found.value) or {"expires": 0}
       left = float(other.get("expires", 0)) - time.time()
       dead_here = (other.get("host") == socket.gethostname()
-                   and not _alive(int(other.get("pid", -1))))
+                   and not io.process_alive(int(other.get("pid", -1))))
       if left > 0 and not dead_here and not force:
         _refuse(self.run_dir, other, f", lease expires in {left:.0f} s")
     written = kv.write(NAME, self._record(), if_equal=found.stamp.generation).result()

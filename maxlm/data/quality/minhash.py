@@ -22,8 +22,9 @@
 Why our own rather than datasketch or datatrove: signatures are computed in prepare's worker
 processes per document and decided in one streaming pass in input order, with memory bounded
 by ~900 bytes per kept document (its signature and `KeyTable` slots, below): datasketch's
-MinHashLSH keeps Python objects per key (kilobytes per document) and datatrove's pipeline writes signature files and
-sorts them in separate stages whose survivor depends on the task count. numpy + xxhash computes
+MinHashLSH keeps Python objects per key (kilobytes per document) and datatrove's pipeline
+writes signature files and sorts them in separate stages whose survivor depends on the task
+count. numpy + xxhash computes
 9,000 signatures a second per core here, twice datasketch's default path.
 """
 

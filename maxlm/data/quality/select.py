@@ -11,6 +11,7 @@ Memory stays bounded whatever the input size: documents are streamed, and only t
 tables and kept signatures grow (~900 bytes per kept document).
 """
 
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -59,10 +60,12 @@ def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill
   fd, spill = tempfile.mkstemp(prefix="maxlm-kept-", suffix=".jsonl", dir=spill_dir)
   ids = []  # kept documents' ids by their number, to name what a duplicate duplicates
   try:
-    with os.fdopen(fd, "w") as out, multiprocessing.get_context("fork").Pool(
-        1 if inspected is not None else workers or os.cpu_count(), _init,
-        (inspector,)) as pool:
-      stream = inspected if inspected is not None else bounded_imap(pool, _inspect, docs)
+    with os.fdopen(fd, "w") as out, contextlib.ExitStack() as stack:
+      stream = inspected
+      if stream is None:  # inspect here, on a pool of worker processes
+        pool = stack.enter_context(multiprocessing.get_context("fork").Pool(
+            workers or os.cpu_count(), _init, (inspector,)))
+        stream = bounded_imap(pool, _inspect, docs)
       for doc in tqdm.tqdm(stream, desc="filter", unit="doc", disable=not progress):
         verdict = doc.pop("verdict")
         if verdict["step"] is not None:

@@ -1,0 +1,138 @@
+"""The data dir commands: `maxlm prepare`, `maxlm funnel` and `maxlm check-data` (their
+arguments are declared with the others in `maxlm.cli`)."""
+
+import dataclasses
+import os
+import pathlib
+
+from maxlm import MaxlmError, io
+
+
+def cmd_prepare(args):
+  from maxlm.data import prepare
+  if args.vocab_size < 300:
+    raise MaxlmError(f"--vocab-size must be >= 300 (bytes and specials), got {args.vocab_size}")
+  if not 0 <= args.val_fraction < 1:
+    raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+  if args.tasks is not None and args.tasks < 1 or args.workers is not None and args.workers < 1:
+    raise MaxlmError("--tasks and --workers must be >= 1")
+  quality = _quality_config(args)
+  _check_outputs(args)
+  manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
+                             args.val_fraction, args.workers, overwrite=args.overwrite,
+                             verbose=args.verbose, quality=quality, rejected=args.rejected,
+                             engine=args.engine, tasks=args.tasks,
+                             inspect_dir=args.inspect_dir)
+  _print_manifest(manifest, args.out, args.verbose)
+  _show_funnel(manifest, args.funnel_png)
+
+
+def _check_outputs(args):
+  """--rejected and --funnel-png: writable files, not an input, not inside an input folder or
+  --out (which the new data dir replaces), checked before any work."""
+  def inside(path, folder):
+    return os.path.commonpath([path, folder]) == folder
+  out = os.path.realpath(args.out) if io.is_local(args.out) else None
+  for flag, path in (("--rejected", args.rejected), ("--funnel-png", args.funnel_png)):
+    if not path:
+      continue
+    real = os.path.realpath(path)
+    for given in args.inputs:
+      source = os.path.realpath(given)
+      if real == source or (os.path.isdir(source) and inside(real, source)):
+        raise MaxlmError(f"{flag} {path} is (or is inside) the input {given}; write it "
+                         "elsewhere")
+    if out and inside(real, out):
+      raise MaxlmError(f"{flag} {path} is inside --out {args.out}, which the new data dir "
+                       "replaces; write it elsewhere")
+    if os.path.isdir(real):
+      raise MaxlmError(f"{flag} {path} is a folder; give a file name")
+    if flag == "--funnel-png" and not path.lower().endswith(".png"):
+      raise MaxlmError(f"--funnel-png {path}: give a .png file name")
+    try:
+      ensure_parent(path)
+      with open(path, "a"):
+        pass
+    except OSError as e:
+      raise MaxlmError(f"{flag} {path} cannot be written ({e.strerror})") from None
+
+
+def _quality_config(args):
+  from maxlm.data import quality
+  overrides = [f"{name}={value == 'on'}" for name, value in (("filters", args.filters),
+                                                             ("dedup", args.dedup)) if value]
+  by_source = {}
+  for item in args.lang or ():
+    source, sep, codes = item.rpartition("=")
+    codes = tuple(c.strip() for c in codes.split(",") if c.strip())
+    if not codes:
+      raise MaxlmError(f"--lang {item!r}: expected language codes, e.g. en or en,de or any")
+    if sep:
+      by_source[source] = codes
+    else:
+      overrides.append(f"lang=[{','.join(codes)}]")
+  config = quality.load(args.quality, overrides + list(args.filter))
+  if by_source:
+    config = dataclasses.replace(config, lang_by_source={**config.lang_by_source, **by_source})
+  return config
+
+
+def _show_funnel(manifest, png=None, title="prepare funnel"):
+  from maxlm.data.quality import funnel
+  if not manifest.get("funnel"):
+    if png:
+      raise MaxlmError("this data dir was prepared without the quality steps: no funnel")
+    return
+  print(funnel.table(manifest["funnel"]))
+  if png:
+    ensure_parent(png)
+    funnel.save_png(manifest["funnel"], png, title)
+    print(f"wrote {png}")
+
+
+def cmd_funnel(args):
+  from maxlm.data import store
+  manifest = store.load_manifest(args.data_dir)
+  if not manifest.get("funnel"):
+    raise MaxlmError(f"{args.data_dir} was prepared by a maxlm without the quality steps: no "
+                     "funnel")
+  _show_funnel(manifest, args.png, f"funnel of {args.data_dir}")
+
+
+def _print_manifest(manifest, out, verbose=False):
+  for name, s in manifest["sources"].items():
+    print(f"  {name:<12} {s['documents']:>8,} docs {s['tokens']:>12,} tokens "
+          f"({s['heldout_documents']:,} docs held out)")
+  rejected = {k: v for k, v in manifest["rejected"].items() if v}
+  skipped = {k: v for k, v in manifest["skipped"].items() if v}
+  print(f"  rejected: {rejected or 'none'}; skipped: {skipped or 'none'}; "
+        f"skipped files: {manifest['skipped_files'] or 'none'}")
+  if manifest["renamed_ids"]:
+    print(f"  renamed duplicate ids: {manifest['renamed_ids']} "
+          f"(e.g. {manifest['renamed_id_examples'][0]})")
+  if verbose:
+    for kind, key in (("rejected", "rejected_examples"), ("skipped", "skipped_examples")):
+      for reason, examples in manifest[key].items():
+        for where in examples:
+          print(f"  {kind} {reason}: {where}")
+    for what in manifest["renamed_id_examples"]:
+      print(f"  renamed: {what}")
+  elif rejected or skipped:
+    print("  (examples in manifest.json; --verbose lists them all)")
+  print(f"wrote {out} (fingerprint {manifest['fingerprint'][:12]})")
+
+
+def cmd_check_data(args):
+  from maxlm.data import datadir, store
+  manifest = store.load_manifest(args.data_dir)
+  bad = datadir.verify_contents(args.data_dir, manifest)
+  if bad:
+    raise MaxlmError(f"{args.data_dir}: {len(bad)} of {len(manifest['files'])} files differ "
+                     f"from their SHA-256 in manifest.json ({', '.join(bad[:5])}); re-run "
+                     f"maxlm prepare INPUT... --out {args.data_dir} --overwrite")
+  print(f"{args.data_dir}: all {len(manifest['files'])} files match manifest.json "
+        f"(fingerprint {manifest['fingerprint'][:12]})")
+
+
+def ensure_parent(path):
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
