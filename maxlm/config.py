@@ -68,7 +68,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  size: str = "tiny"
+  size: str = "tiny"  # a named size (table below) filling in the model keys not set
   vocab_size: int = 0  # >= 0; 0: the data dir's tokenizer decides
   d_model: int = 128  # >= 1
   n_layers: int = 2  # >= 1
@@ -76,12 +76,12 @@ class ModelConfig:
   n_kv_heads: int = 2  # >= 1, divides n_heads
   head_dim: int = 32  # >= 1, even (RoPE)
   d_ff: int = 384  # >= 1
-  tied_embeddings: bool = False
+  tied_embeddings: bool = False  # the output head reuses the embedding table
   norm_eps: float = 1e-5  # > 0; RMSNorm epsilon
   init_std: float = 0.02  # > 0; standard deviation of the initial weights
   dtype: str = "bfloat16"  # compute dtype; parameters stay float32
-  remat: str = "full"
-  scan_layers: bool = True
+  remat: str = "full"  # none | full | dots | dots_no_batch: what the backward pass recomputes
+  scan_layers: bool = True  # one compiled layer scanned n_layers times (faster compiles)
   loss_chunk: int = 1024  # >= 1; positions per chunk of the vocabulary projection in the loss
   z_loss: float = 0.0  # >= 0; weight of the log-partition (z) loss
   max_logit: bool = True  # report the largest attention logit (exact; costs a pass on kernels)
@@ -157,7 +157,7 @@ class TrainConfig:
   keep: int = 3  # >= 1; checkpoints kept
   eval_every: int = 50  # >= 0; steps between held-out evaluations (0: only at the end)
   eval_rows: int = 32  # >= 1; held-out rows per evaluation
-  async_checkpoints: bool = True
+  async_checkpoints: bool = True  # write checkpoints in the background while training goes on
 
   def check(self, key):
     _above(f"{key}.lr", self.lr, 0)
@@ -193,7 +193,7 @@ class StageConfig:
   steps: int = 0  # >= 0; optimizer steps in this stage; or set `tokens`
   tokens: int = 0  # >= 0; token budget (positions); rounded up to whole steps
   mix: dict[str, float] | None = None  # > 0; overrides data.mix for this stage
-  name: str = ""
+  name: str = ""  # shown in the ledger, the console and curves.png (default: the index)
   rope: RopeConfig = RopeConfig()
   attention: str = "auto"  # auto | reference | blockwise | splash | gpu
   block_q: int = 512  # >= 8; attention tile sizes
@@ -225,7 +225,7 @@ class StageConfig:
 class Config:
   stages: tuple[StageConfig, ...]
   seed: int = 0  # in [0, 2**32 - 1]; jax.random.key keeps 32 bits (larger seeds wrap)
-  run_dir: str = "runs/demo"
+  run_dir: str = "runs/demo"  # checkpoints, metrics and events (local or gs://)
   distributed: bool = False  # call jax.distributed.initialize() (multi-host TPU or GPU jobs)
   data: DataConfig = DataConfig()
   model: ModelConfig = ModelConfig()
