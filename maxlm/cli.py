@@ -21,17 +21,48 @@ def _add_config(p):
   p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+  """Shows each option's default after its help, unless it has none (None, False, [])."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    default = action.default
+    if ("%(default)" in text or "default:" in text or default in (None, False, [])
+        or default is argparse.SUPPRESS or not action.option_strings):
+      return text
+    return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+  """Every (sub)command's parser (subparsers take the parent's class): defaults in --help."""
+
+  def __init__(self, *args, **kw):
+    kw.setdefault("formatter_class", _Help)
+    super().__init__(*args, **kw)
+
+
+def _describe(sub):
+  """A subcommand without a description shows its one-line help atop its --help."""
+  for choice in sub._choices_actions:
+    parser = sub.choices[choice.dest]
+    parser.description = parser.description or choice.help
+
+
 def _parser():
-  ap = argparse.ArgumentParser(prog="maxlm", description="LLM pretraining on JAX.")
+  ap = _Parser(prog="maxlm", description="LLM pretraining on JAX. `maxlm COMMAND --help` "
+               "explains a command; README.md lists them all.")
   sub = ap.add_subparsers(dest="command", required=True)
 
   p = sub.add_parser("prepare", help="documents -> tokenizer, token store, doc index, manifest")
   p.add_argument("inputs", nargs="+", help="JSONL, text, markdown or code files, or folders")
   p.add_argument("--out", required=True, help="data dir to write (local or gs://)")
-  p.add_argument("--vocab-size", type=int, default=8192)
+  p.add_argument("--vocab-size", type=int, default=8192,
+                 help="tokenizer vocabulary to train (ignored with --tokenizer)")
   p.add_argument("--tokenizer", help="an existing SentencePiece .model to use instead")
-  p.add_argument("--val-fraction", type=float, default=0.01)
-  p.add_argument("--workers", type=int, default=None, help="tokenizer processes (all cores)")
+  p.add_argument("--val-fraction", type=float, default=0.01,
+                 help="share of each source's documents held out for validation, in [0, 1)")
+  p.add_argument("--workers", type=int, default=None,
+                 help="processes for the quality steps and tokenizing (default: all cores)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace an existing data dir at --out (once the new one is complete)")
   p.add_argument("--verbose", action="store_true",
@@ -40,9 +71,11 @@ def _parser():
                  help="accepted languages of prose, e.g. en or en,de; any skips language ID; "
                       "SOURCE=CODES for one source (default: en)")
   p.add_argument("--filters", choices=("on", "off"), default=None,
-                 help="line cleaning, Gopher quality and repetition, code rules")
+                 help="line cleaning, Gopher quality and repetition, code rules (default: on, "
+                      "or as --quality says)")
   p.add_argument("--dedup", choices=("on", "off"), default=None,
-                 help="exact and MinHash near-duplicate removal across sources")
+                 help="exact and MinHash near-duplicate removal across sources (default: on, "
+                      "or as --quality says)")
   p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                  help="one threshold or setting, e.g. gopher_min_words=20 or bands=20")
   p.add_argument("--quality", metavar="FILE.yaml", help="quality settings (see docs/data.md)")
@@ -57,31 +90,34 @@ def _parser():
                       "written there")
 
   p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
-  p.add_argument("data_dir")
-  p.add_argument("--png", metavar="FILE.png")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
+  p.add_argument("--png", metavar="FILE.png", help="also draw the funnel there")
 
   p = sub.add_parser("check-data", help="re-hash every file of a data dir against its manifest")
-  p.add_argument("data_dir")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
 
   p = sub.add_parser("ledger", help="token accounting per stage and source, from the plan")
   _add_config(p)
-  p.add_argument("--json", action="store_true")
+  p.add_argument("--json", action="store_true", help="print the ledger as JSON, not a table")
 
   p = sub.add_parser("batches", help="write global (or one host's) batches to an .npz")
   _add_config(p)
-  p.add_argument("--stage", type=int, default=0)
-  p.add_argument("--step", type=int, default=0)
-  p.add_argument("--count", type=int, default=1)
-  p.add_argument("--hosts", type=int, default=1)
-  p.add_argument("--host-index", type=int, default=0)
-  p.add_argument("--out", required=True)
+  p.add_argument("--stage", type=int, default=0, help="stage index (0 is the first)")
+  p.add_argument("--step", type=int, default=0, help="first step within the stage")
+  p.add_argument("--count", type=int, default=1, help="consecutive batches to write")
+  p.add_argument("--hosts", type=int, default=1,
+                 help="write one host's slice of the rows, as if training on H hosts")
+  p.add_argument("--host-index", type=int, default=0, help="which host's slice (0..H-1)")
+  p.add_argument("--out", required=True, metavar="FILE.npz",
+                 help="the arrays [count, rows, L] and their provenance as JSON")
 
   p = sub.add_parser("show-batch", help="PNG of one row: segments, visibility, loss mask")
   _add_config(p)
-  p.add_argument("--stage", type=int, default=0)
-  p.add_argument("--step", type=int, default=0)
-  p.add_argument("--row", type=int, default=None, help="default: the row with most segments")
-  p.add_argument("--out", required=True)
+  p.add_argument("--stage", type=int, default=0, help="stage index (0 is the first)")
+  p.add_argument("--step", type=int, default=0, help="step within the stage")
+  p.add_argument("--row", type=int, default=None,
+                 help="row of the batch (default: the row with most segments)")
+  p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")
 
   p = sub.add_parser("train", help="train (or resume) the config's schedule in run_dir")
   _add_config(p)
@@ -93,32 +129,51 @@ def _parser():
 
   p = sub.add_parser("verify-restart", help="kill and resume a run; prove nothing changed")
   _add_config(p)
-  p.add_argument("--kills", type=int, default=3)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--workdir", help="default: a new temporary folder")
+  p.add_argument("--kills", type=int, default=3,
+                 help="SIGKILLs: mid-stage, at a stage boundary, during an async save, ...")
+  p.add_argument("--seed", type=int, default=0, help="chooses the steps at which to kill")
+  p.add_argument("--workdir", help="where the three runs go (default: a new temporary folder)")
   p.add_argument("--corrupt", action="store_true",
                  help="also flip bytes in the latest checkpoint before the last resume")
 
   p = sub.add_parser("eval", help="held-out loss and bits per byte, per source")
-  p.add_argument("run_dir")
-  p.add_argument("--split", choices=("val", "train"), default="val")
-  p.add_argument("--rows", type=int, default=None, help="rows to evaluate (train.eval_rows)")
+  p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
+  p.add_argument("--split", choices=("val", "train"), default="val",
+                 help="held-out documents, or training ones for comparison")
+  p.add_argument("--rows", type=int, default=None,
+                 help="rows to evaluate (default: the run's train.eval_rows)")
 
   p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
-  p.add_argument("run_dir")
-  p.add_argument("--prompt", required=True)
-  p.add_argument("--max-tokens", type=int, default=64)
-  p.add_argument("--temperature", type=float, default=0.8)
-  p.add_argument("--top-k", type=int, default=40)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
+  p.add_argument("--prompt", required=True, help="the text to continue")
+  p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
+  p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+  p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
-  p = sub.add_parser("plot", help="PNG of a run's curves")
-  p.add_argument("run_dir")
-  p.add_argument("--out", help="default: RUN_DIR/curves.png")
+  p = sub.add_parser("plot", help="PNG of a run's curves: loss (smoothed), val loss and bits "
+                     "per byte per source, lr, norms, max logit, MFU")
+  p.add_argument("run_dir", help="a run's folder (its metrics.jsonl)")
+  p.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png)")
 
-  p = sub.add_parser("demo", help="the quickstart: embedded corpus -> prepare -> ledger -> batch")
-  p.add_argument("--config", default="demo")
+  p = sub.add_parser("demo", help="the quickstart, on the CPU in a few minutes",
+                     description=DEMO_DESCRIPTION)
+  p.add_argument("--config", default="demo", help="the config to train (configs/NAME.yaml)")
+  _describe(sub)
   return ap
+
+
+DEMO_DESCRIPTION = """\
+The quickstart, end to end on this machine's CPU (reruns reuse what is finished):
+  1. builds a corpus from text already here: the standard library's .py files (source code)
+     and installed packages' docs (prose), in runs/demo/raw
+  2. trains a tokenizer and prepares the token store (runs/demo/data), printing the funnel
+  3. prints the token ledger of the demo schedule and draws one batch (runs/demo/batch.png)
+  4. trains the 3-stage demo config (L = 128 -> 256 -> 1024), SIGKILLs it once and resumes,
+     checking the recomputed steps are bit for bit the same
+  5. reports loss and bits per byte on held-out documents, per source
+  6. prints three samples
+  7. writes runs/demo/curves.png"""
 
 
 def _open_data(args):

@@ -81,3 +81,49 @@ def test_prepare_cli(tmp_path):
   assert "malformed_json': 1" in proc.stdout
   manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
   assert manifest["sources"]["in"]["documents"] == 30
+
+
+def _subcommands():
+  import argparse
+  from maxlm import cli
+  ap = cli._parser()
+  sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+  return sub.choices
+
+
+def test_every_option_has_help_and_shows_its_default():
+  import argparse
+  for name, parser in _subcommands().items():
+    assert parser.description, f"maxlm {name} has no description"
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+      if isinstance(action, argparse._HelpAction):
+        continue
+      what = f"maxlm {name} {'/'.join(action.option_strings) or action.dest}"
+      assert action.help, f"{what}: no help text"
+      if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+        assert "default" in formatter._get_help_string(action) % {"default": action.default}, (
+            f"{what}: --help does not show its default {action.default!r}")
+  shown = maxlm("prepare", "--help").stdout
+  assert "(default: 8192)" in shown and "(default: 0.01)" in shown
+
+
+def test_readme_lists_every_command_and_option():
+  """Each subcommand has a `maxlm NAME` line in README.md's command list (continuations
+  joined) naming every one of its long options."""
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  block = re.search(r"^## Commands\n+```bash\n(.*?)^```", text, re.S | re.M).group(1)
+  entries = {}
+  for line in block.replace("\\\n", " ").splitlines():
+    words = line.split()
+    if words[:1] == ["maxlm"]:
+      entries[words[1]] = entries.get(words[1], "") + " " + line.split("  #")[0]
+  for name, parser in _subcommands().items():
+    assert name in entries, f"README.md's command list has no `maxlm {name}` line"
+    for action in parser._actions:
+      for option in action.option_strings:
+        if option.startswith("--") and option != "--help":
+          assert re.search(rf"{re.escape(option)}\b", entries[name]), (
+              f"README.md's `maxlm {name}` line does not mention {option}")
