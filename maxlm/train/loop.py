@@ -6,10 +6,10 @@ needs is in the checkpoint, and batch k of stage s depends only on (data, config
 run killed at any moment and restarted continues bit for bit on the same mesh.
 """
 
+import contextlib
 import hashlib
 import os
 import signal
-import sys
 import time
 import typing
 
@@ -22,8 +22,8 @@ from maxlm.data import ledger, loader, plan
 from maxlm.eval import bpb
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import (checkpoint, integrity, lease, metrics, optimizer, resume, rundir,
-                         step as step_lib)
+from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
+                         rundir, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 
@@ -149,8 +149,10 @@ def train(config, *, stop_after=None, force=False, log=print):
   """Runs (or resumes) the schedule; returns a summary dict. stop_after: global steps to run
   in this call before saving and returning (the in-process restart check uses it). force:
   take the run_dir's lease over from a holder known to be dead."""
+  log = log if isinstance(log, console.Console) else console.Console(log)
   mesh_lib.initialize_distributed(config.distributed)
-  data, vocab = validate(config)
+  with log.phase(f"opening {config.data.dir} and checking the config against it"):
+    data, vocab = validate(config)
   run_dir = rundir.RunDir(config.run_dir)
   run_dir.check_writable()
   with metrics.write_errors(run_dir.local):
@@ -163,6 +165,7 @@ def train(config, *, stop_after=None, force=False, log=print):
     writer = metrics.Writer(run_dir.local)
     return _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log)
   finally:
+    log.end_line()  # an error printed next starts on a line of its own
     try:
       if writer is not None:
         writer.close()
@@ -180,8 +183,10 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
   preempt = Preemption()
   state, stage0, k0, consumed, it_start, resumed = None, 0, 0, {}, None, None
   ran, summary, first_row = 0, {"resumed_from": None}, {}
+  eta = console.Eta((st.num_steps, st.batch * st.seq_len) for st in config.stages)
   try:
-    found = resume.resume(ckpts, config, data, vocab, stage_parts, log)
+    with log.phase(f"looking for checkpoints in {config.run_dir}"):
+      found = resume.resume(ckpts, config, data, vocab, stage_parts, log)
     with metrics.write_errors(run_dir.local), open(  # only once the run_dir accepted this config
         os.path.join(run_dir.local, "config.yaml"), "w") as f:
       yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)
@@ -197,19 +202,23 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
       stage = config.stages[s]
       mesh, model, opt, step_fn, nll_fn, shardings = stage_parts(config, s, vocab)
       if state is None:
-        state = step_lib.init_state(model, opt, mesh, config.rules, config.seed, stage.seq_len)
+        with log.phase(f"initializing the parameters (seed {config.seed})"):
+          state = step_lib.init_state(model, opt, mesh, config.rules, config.seed,
+                                      stage.seq_len)
         ckpts.check_space(state)
       state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
       it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
       steps = stage.num_steps
-      start_time = time.perf_counter()
+      eta.start_stage()
       for k in range(k0, steps):
         batch = next(it)
         g = int(offsets[s]) + k
         t0 = time.perf_counter()
-        with mesh:
-          state, m = step_fn(state, mesh_lib.place_batch(batch, mesh, config.rules))
-        m = {key: float(v) for key, v in jax.device_get(m).items()}
+        with (log.phase(f"compiling the stage-{s} step (L={stage.seq_len}, batch {stage.batch})"
+                        f" and running step {k + 1}") if k == k0 else contextlib.nullcontext()):
+          with mesh:
+            state, m = step_fn(state, mesh_lib.place_batch(batch, mesh, config.rules))
+          m = {key: float(v) for key, v in jax.device_get(m).items()}
         dt = time.perf_counter() - t0
         real = int((batch["segment_ids"] > 0).sum()) * jax.process_count()
         flops = build.flops_per_token(model.cfg, stage.seq_len,
@@ -227,7 +236,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
           raise MaxlmError(_diverged(g, m, config, ckpts))
         ckpts.check_errors()
         ran += 1
-        _progress(log, s, k, steps, g, total, m, row, start_time, k0)
+        _progress(log, eta, s, k, steps, g, total, m, row)
         last = k == steps - 1
         stop = preempt.signal or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
@@ -281,18 +290,13 @@ def _evaluate(nll_fn, state, data, stage, mesh, config):
   return bpb.evaluate(nll, data, stage.seq_len, stage.batch, config.train.eval_rows)
 
 
-def _progress(log, s, k, steps, g, total, m, row, start_time, k0):
-  done = k - k0 + 1
-  eta = (time.perf_counter() - start_time) / done * (total - g - 1)
+def _progress(log, eta, s, k, steps, g, total, m, row):
+  eta.step(g)
   line = (f"stage {s} step {k + 1}/{steps} (total {g + 1}/{total}) loss {m['loss']:.4f} "
-          f"lr {m['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {int(eta // 60)}:"
-          f"{int(eta % 60):02d}")
+          f"lr {m['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {console.clock(eta.left(g))}")
   if "val_loss" in row:
     line += f" val_loss {row['val_loss']:.4f} val_bpb {row['val_bpb']:.3f}"
-  if sys.stdout.isatty() and "val_loss" not in row and k + 1 < steps:
-    print("\r" + line, end="", flush=True)
-  else:
-    log(("\r" if sys.stdout.isatty() else "") + line)
+  log.progress(line, keep="val_loss" in row or k + 1 == steps)
 
 
 def measure_peak_flops(n=1024, repeats=3):

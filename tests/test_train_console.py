@@ -1,0 +1,113 @@
+"""What `maxlm train` prints: start-up phases, the compile line, the progress line and its ETA,
+and no message glued to the progress line on a terminal."""
+
+import io
+import os
+import pty
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from maxlm.train import console
+
+import datagen
+from test_train import ROOT, small_config
+
+
+class FakeTerminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_messages_end_a_pending_progress_line():
+  term = FakeTerminal()
+  out = console.Console(print, term)
+  out.progress("step 1 ETA 0:03")
+  out.progress("step 2 ETA 0:02")
+  out("stopped after step 2")
+  with out.phase("compiling the stage-1 step"):
+    pass
+  out.progress("step 3", keep=True)
+  lines = term.getvalue().split("\n")
+  assert lines[0] == "\rstep 1 ETA 0:03\x1b[K\rstep 2 ETA 0:02\x1b[K"
+  assert lines[1] == "stopped after step 2"
+  assert re.fullmatch(r"compiling the stage-1 step\.\.\.\rcompiling the stage-1 step\.\.\. "
+                      r"\d+\.\d s\x1b\[K", lines[2])
+  assert lines[3] == "\rstep 3\x1b[K" and lines[4] == ""
+
+
+def test_a_phase_that_fails_ends_its_line():
+  term = FakeTerminal()
+  out = console.Console(print, term)
+  with pytest.raises(ValueError):
+    with out.phase("opening data"):
+      raise ValueError
+  assert term.getvalue() == "opening data...\n" and not out.pending
+
+
+def test_piped_or_logged_every_message_is_a_line():
+  lines = []
+  out = console.Console(lines.append)
+  out.progress("step 1")
+  with out.phase("compiling"):
+    out("a note")
+  assert lines[:3] == ["step 1", "compiling...", "a note"]
+  assert re.fullmatch(r"compiling\.\.\. \d+\.\d s", lines[3])
+
+
+def test_eta_leaves_out_compiling_steps_and_weighs_stages_by_positions():
+  eta = console.Eta([(3, 100), (2, 400)])
+  eta.start_stage()
+  eta.step(0, now=100.0)  # compiled: not measured
+  assert eta.left(0) is None and console.clock(None) == "--:--"
+  eta.step(1, now=101.0)  # 1 s for 100 positions
+  assert eta.left(1) == pytest.approx(1 * 1 + 2 * 4)
+  eta.start_stage()
+  eta.step(3, now=200.0)  # stage 1 compiles: not measured
+  eta.step(4, now=204.0)
+  assert eta.left(4) == 0 and eta.left(3) == pytest.approx((1 + 4) / 500 * 400)
+  assert console.clock(3725) == "1:02:05" and console.clock(61) == "1:01"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  rng = np.random.default_rng(1)
+  lengths = rng.lognormal(np.log(40), 0.8, 120).astype(int) + 1
+  sources = ["prose" if i % 2 else "code" for i in range(len(lengths))]
+  return datagen.write_data_dir(tmp_path_factory.mktemp("console") / "data",
+                                datagen.make_docs(lengths, sources), val_fraction=0.1)
+
+
+def test_train_on_a_terminal_says_what_it_does(tmp_path, data_dir):
+  """`maxlm train` on a pseudo-terminal: a line per start-up phase, the compile line with its
+  time, and the stop message on a line of its own, not glued to the progress line."""
+  cfg = small_config(tmp_path, data_dir, eval_every=0)
+  main, child = pty.openpty()
+  env = {**os.environ, "COLUMNS": "200"}
+  proc = subprocess.Popen([sys.executable, "-m", "maxlm.cli", "train", str(cfg),
+                           "--stop-after", "8"], stdout=child, stderr=child, cwd=ROOT, env=env)
+  os.close(child)
+  chunks = []
+  while True:
+    try:
+      chunk = os.read(main, 4096)
+    except OSError:  # EIO: the child closed the terminal
+      break
+    if not chunk:
+      break
+    chunks.append(chunk)
+  os.close(main)
+  assert proc.wait(timeout=600) == 0
+  text = b"".join(chunks).decode().replace("\r\n", "\n")
+  lines = text.split("\n")
+  for phase in ("opening ", "looking for checkpoints in ", "initializing the parameters",
+                "compiling the stage-0 step (L=32, batch 8) and running step 1",
+                "compiling the stage-1 step (L=64, batch 8) and running step 1"):
+    assert re.search(rf"^{re.escape(phase)}.*\.\.\. \d+\.\d s", text.replace("\r", "\n"),
+                     re.M), f"no line for {phase!r}:\n{text}"
+  stop = [line for line in lines if "stopped after step 8" in line]
+  assert len(stop) == 1 and stop[0].startswith("stopped after step 8"), text
+  assert re.search(r"ETA \d+:\d\d", text) and "ETA --:--" in text  # none until steady state
