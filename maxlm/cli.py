@@ -156,6 +156,24 @@ def _parser():
   p.add_argument("run_dir", help="a run's folder (its metrics.jsonl)")
   p.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png)")
 
+  p = sub.add_parser("sweep", help="choose a model size: iso-FLOP runs, fits, plot and a "
+                                    "recommended config (docs/sizing.md)")
+  _add_config(p)
+  p.add_argument("--budgets", required=True, metavar="C,...",
+                 help="training FLOPs per iso-FLOP curve, e.g. 1e13,3e13,1e14")
+  p.add_argument("--sizes", default="auto", metavar="auto|NAME|DxL,...",
+                 help="model sizes per budget: auto (two decades around the expected "
+                      "optimum), named sizes, or D_MODELxN_LAYERS such as 128x4 (default: auto)")
+  p.add_argument("--out", required=True, help="folder for the runs, sweep.json, isoflop.png "
+                                              "and recommended.yaml; rerun to resume")
+  p.add_argument("--workers", type=int, default=1, help="points trained at once (default: 1)")
+  p.add_argument("--target-flops", type=float, default=None,
+                 help="budget of recommended.yaml (default: the largest budget x 10)")
+  p.add_argument("--lr", type=float, default=None,
+                 help="one learning rate for every point (default: 1e-3 * sqrt(256 / d_model))")
+  p.add_argument("--eval-rows", type=int, default=128,
+                 help="held-out rows evaluated at each point's end (default: 128)")
+
   p = sub.add_parser("demo", help="the quickstart, on the CPU in a few minutes",
                      description=DEMO_DESCRIPTION)
   p.add_argument("--config", default="demo", help="the config to train (configs/NAME.yaml)")
@@ -300,6 +318,13 @@ def cmd_plot(args):
   print(f"wrote {out}")
 
 
+def cmd_sweep(args):
+  from maxlm import sweep
+  sweep.sweep(args.config, args.overrides, sweep.parse_budgets(args.budgets), args.sizes,
+              args.out, workers=args.workers, target=args.target_flops, lr=args.lr,
+              eval_rows=args.eval_rows)
+
+
 def cmd_demo(args):
   from maxlm import demo
   demo.run(args.config)
@@ -312,7 +337,7 @@ COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
             "verify-restart": cmd_verify_restart, "eval": cmd_eval,
             "generate": cmd_generate,
-            "demo": cmd_demo}
+            "sweep": cmd_sweep, "demo": cmd_demo}
 
 
 def enable_compile_cache():
@@ -341,7 +366,8 @@ _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still e
     "eval": ("maxlm.eval.run",), "generate": ("maxlm.eval.run", "maxlm.eval.generate"),
     "demo": ("maxlm.demo",), "prepare": ("maxlm.data.prepare",),
     "ledger": ("maxlm.data.loader",), "batches": ("maxlm.data.loader",),
-    "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",)}
+    "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",),
+    "sweep": ("maxlm.sweep",)}
 
 
 def _import_early(command):
