@@ -1,39 +1,163 @@
-"""`maxlm plot RUN_DIR`: the seven curves of a run as one PNG."""
+"""`maxlm plot RUN_DIR`: a run's curves as one PNG, from metrics.jsonl (and config.yaml for
+the stage names).
+
+Panels, top to bottom: training loss (the raw per-step line faint, an exponential moving
+average over ~`smoothing_span` steps on top; the average restarts at each stage, whose length
+change moves the loss), held-out loss and bits per byte (all sources, and each source from its
+`val_loss/<source>` / `val_bpb/<source>` keys), learning rate, gradient and parameter norms, the
+largest attention logit, and MFU with tokens/s. Dashed lines mark stage boundaries, labelled
+with the stage's name (or index) and L. A resumed run logs recomputed steps again: the last row
+of each step wins.
+"""
 
 import io as io_lib
+import math
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import yaml  # noqa: E402
 
 from maxlm import MaxlmError, io  # noqa: E402
 from maxlm.train import metrics  # noqa: E402
 
-CURVES = ("loss", "val_loss", "lr", "grad_norm", "param_norm", "max_logit", "tokens_per_s")
+PANELS = ("loss", "val_loss", "val_bpb", "lr", "norms", "max_logit", "mfu")
+TITLES = {"loss": "training loss", "val_loss": "held-out loss per token",
+          "val_bpb": "held-out bits per byte", "lr": "learning rate",
+          "norms": "gradient and parameter norm", "max_logit": "largest attention logit",
+          "mfu": "MFU and tokens/s"}
+
+
+def smoothing_span(n_steps):
+  """Steps an EMA averages over: ~1/10 of the run, between 1 and 200."""
+  return max(1, min(200, n_steps // 10))
+
+
+def ema(values, span):
+  """Bias-corrected exponential moving average (alpha = 2 / (span + 1)); NaNs are skipped."""
+  alpha, acc, weight, out = 2 / (span + 1), 0.0, 0.0, []
+  for v in values:
+    if math.isfinite(v):
+      acc = (1 - alpha) * acc + alpha * v
+      weight = (1 - alpha) * weight + alpha
+    out.append(acc / weight if weight else float("nan"))
+  return out
+
+
+def stage_labels(run_dir):
+  """{stage index: 'name (L=...)'} from run_dir/config.yaml, or {} if it cannot be read."""
+  try:
+    raw = yaml.safe_load(io.read_bytes(io.join(run_dir, "config.yaml")))
+    return {i: f"{st.get('name') or f'stage {i}'} (L={st['seq_len']})"
+            for i, st in enumerate(raw["stages"])}
+  except Exception:  # a missing or foreign config only costs the labels
+    return {}
+
+
+def step_rows(rows):
+  latest = {}
+  for row in rows:  # a resumed run rewrites steps: keep the last value of each
+    if "loss" in row and "step" in row:  # other rows (events) are not steps
+      latest[row["step"]] = row
+  return [latest[s] for s in sorted(latest)]
+
+
+def figure(rows, labels=None, title=""):
+  """The matplotlib figure of these metrics rows (one axes per name in PANELS)."""
+  rows = step_rows(rows)
+  labels = labels or {}
+  fig, axes = plt.subplots(len(PANELS), 1, figsize=(10, 2.4 * len(PANELS)), sharex=True)
+  ax_of = dict(zip(PANELS, axes))
+  for name, ax in ax_of.items():
+    ax.set_title(TITLES[name], fontsize=9, loc="left")
+    ax.grid(alpha=0.3)
+  _loss(ax_of["loss"], rows)
+  for name in ("val_loss", "val_bpb"):
+    _per_source(ax_of[name], rows, name)
+  _lines(ax_of["lr"], rows, ("lr",))
+  _lines(ax_of["norms"], rows, ("grad_norm", "param_norm"))
+  ax_of["norms"].set_yscale("log")
+  _lines(ax_of["max_logit"], rows, ("max_logit",))
+  _mfu(ax_of["mfu"], rows)
+  _stage_lines(axes, rows, labels)
+  axes[-1].set_xlabel("step")
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+def _series(rows, key, scale=1.0):
+  pts = [(r["step"], r[key] * scale) for r in rows if isinstance(r.get(key), (int, float))]
+  return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _lines(ax, rows, keys):
+  for key in keys:
+    xs, ys = _series(rows, key)
+    if xs:
+      ax.plot(xs, ys, lw=1, label=key)
+  if len(keys) > 1:
+    ax.legend(fontsize=7, loc="upper right")
+
+
+def _loss(ax, rows):
+  xs, ys = _series(rows, "loss")
+  ax.plot(xs, ys, lw=0.8, alpha=0.3, color="tab:blue", label="loss (per step)")
+  span = smoothing_span(len(xs))
+  smooth = []
+  for stage in sorted({r.get("stage", 0) for r in rows}):  # restart at each stage
+    part = [r["loss"] for r in rows if r.get("stage", 0) == stage]
+    smooth += ema(part, span)
+  ax.plot(xs, smooth, lw=1.6, color="tab:blue", label=f"EMA over ~{span} steps")
+  ax.legend(fontsize=7, loc="upper right")
+
+
+def _per_source(ax, rows, name):
+  xs, ys = _series(rows, name)
+  if xs:
+    ax.plot(xs, ys, "o-", color="black", lw=1.4, ms=3, label="all sources")
+  sources = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith(name + "/")})
+  for source in sources:
+    xs, ys = _series(rows, f"{name}/{source}")
+    ax.plot(xs, ys, "o--", lw=1, ms=2.5, label=source)
+  if xs or sources:
+    ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(sources) + 1))
+  else:
+    ax.text(0.5, 0.5, "not evaluated yet (train.eval_every)", transform=ax.transAxes,
+            ha="center", va="center", color="grey")
+
+
+def _mfu(ax, rows):
+  xs, ys = _series(rows, "mfu", 100)
+  ax.plot(xs, ys, lw=1, color="tab:green", label="MFU %")
+  ax.set_ylabel("MFU %")
+  twin = ax.twinx()
+  xs, ys = _series(rows, "tokens_per_s")
+  twin.plot(xs, ys, lw=0.8, alpha=0.5, color="tab:orange", label="tokens/s")
+  twin.set_ylabel("tokens/s")
+  handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+  ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
+
+
+def _stage_lines(axes, rows, labels):
+  first = {}
+  for r in rows:
+    first.setdefault(r.get("stage", 0), r["step"])
+  for stage, step in sorted(first.items()):
+    label = labels.get(stage, f"stage {stage}")
+    for ax in axes:
+      if stage != min(first):
+        ax.axvline(step - 0.5, color="grey", ls="--", lw=0.7)
+    axes[0].text(step, 0.96, " " + label, transform=axes[0].get_xaxis_transform(), fontsize=8,
+                 color="dimgrey", va="top")
 
 
 def save(run_dir, out):
   rows = metrics.read_jsonl(run_dir)
-  if not rows:
+  if not step_rows(rows):
     raise MaxlmError(f"{run_dir} has no metrics.jsonl yet; run `maxlm train` first")
-  latest = {}
-  for row in rows:  # a resumed run rewrites steps: keep the last value of each
-    latest[row["step"]] = row
-  steps = sorted(latest)
-  fig, axes = plt.subplots(len(CURVES), 1, figsize=(9, 2.2 * len(CURVES)), sharex=True)
-  for ax, name in zip(axes, CURVES):
-    xs = [s for s in steps if name in latest[s]]
-    ax.plot(xs, [latest[s][name] for s in xs], marker="o" if name == "val_loss" else None,
-            lw=1)
-    ax.set_ylabel(name)
-    ax.grid(alpha=0.3)
-    for s in steps[1:]:
-      if latest[s].get("stage") != latest[s - 1 if s - 1 in latest else s].get("stage"):
-        ax.axvline(s, color="grey", ls="--", lw=0.7)
-  axes[-1].set_xlabel("step (dashed: stage boundaries)")
-  fig.suptitle(run_dir)
-  fig.tight_layout()
+  fig = figure(rows, stage_labels(run_dir), run_dir)
   png = io_lib.BytesIO()
   fig.savefig(png, format="png", dpi=80)
   plt.close(fig)

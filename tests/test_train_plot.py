@@ -1,0 +1,75 @@
+"""`maxlm plot`: the panels, the smoothing, the stage labels and the per-source curves, read
+off the matplotlib figure (not pixels)."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from maxlm import MaxlmError
+from maxlm.train import plot
+
+
+def _run_dir(tmp_path, resumed=True):
+  rng = np.random.default_rng(0)
+  rows = []
+  for g in range(60):
+    stage = 0 if g < 40 else 1
+    row = {"step": g, "stage": stage, "stage_step": g if stage == 0 else g - 40,
+           "loss": 6 - g / 20 + rng.normal(0, 0.5), "lr": 1e-3, "grad_norm": 1.0,
+           "param_norm": 10.0, "max_logit": 3.0, "tokens_per_s": 1000.0, "mfu": 0.3}
+    if g % 20 == 19:
+      row.update({"val_loss": 4.0, "val_bpb": 1.5, "val_loss/prose": 4.2, "val_bpb/prose": 1.6,
+                  "val_loss/code": 3.8, "val_bpb/code": 1.3})
+    rows.append(row)
+  if resumed:  # a kill after step 30, resumed from 25: steps 25..30 logged twice
+    rows = rows[:31] + rows[25:]
+  rows.insert(10, {"step": 9, "event": "spike"})  # a row that is not a step
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (tmp_path / "config.yaml").write_text(yaml.safe_dump({"stages": [
+      {"name": "short", "seq_len": 128, "batch": 16}, {"name": "", "seq_len": 1024,
+                                                         "batch": 2}]}))
+  return tmp_path
+
+
+def test_panels_stage_labels_and_per_source_curves(tmp_path):
+  run = _run_dir(tmp_path)
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  fig = plot.figure(rows, plot.stage_labels(str(run)))
+  axes = {ax.get_title(loc="left"): ax for ax in fig.axes if ax.get_title(loc="left")}
+  assert list(axes) == [plot.TITLES[p] for p in plot.PANELS]
+  loss = axes["training loss"]
+  raw, smooth = loss.get_lines()[:2]
+  assert raw.get_alpha() < 0.5 and len(raw.get_xdata()) == 60  # each step once
+  assert smooth.get_label().startswith("EMA over")
+  assert np.std(np.diff(smooth.get_ydata()[:40])) < np.std(np.diff(raw.get_ydata()[:40])) / 2
+  texts = [t.get_text().strip() for t in loss.texts]
+  assert texts == ["short (L=128)", "stage 1 (L=1024)"]
+  assert [line.get_xdata()[0] for line in loss.get_lines()[2:]] == [39.5]  # the boundary
+  for title in ("held-out loss per token", "held-out bits per byte"):
+    labels = [t.get_text() for t in axes[title].get_legend().get_texts()]
+    assert labels == ["all sources", "code", "prose"]
+  bpb = {line.get_label(): line.get_ydata() for line in axes["held-out bits per byte"].lines}
+  assert list(bpb["code"]) == [1.3, 1.3, 1.3]
+  mfu = [t.get_text() for t in axes["MFU and tokens/s"].get_legend().get_texts()]
+  assert mfu == ["MFU %", "tokens/s"]
+  assert axes["MFU and tokens/s"].lines[0].get_ydata()[0] == pytest.approx(30)
+
+
+def test_save_writes_a_png_and_says_when_there_is_nothing(tmp_path):
+  (tmp_path / "run").mkdir()
+  run = _run_dir(tmp_path / "run", resumed=False)
+  out = tmp_path / "curves.png"
+  plot.save(str(run), str(out))
+  assert out.read_bytes()[:4] == b"\x89PNG"
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(MaxlmError, match="no metrics.jsonl yet"):
+    plot.save(str(tmp_path / "empty"), str(out))
+
+
+def test_ema_is_bias_corrected_and_skips_nan():
+  assert plot.ema([2.0, 2.0, 2.0], 10) == [2.0, 2.0, 2.0]
+  out = plot.ema([float("nan"), 1.0, 3.0], 1)
+  assert np.isnan(out[0]) and out[1:] == [1.0, 3.0]
+  assert plot.smoothing_span(10) == 1 and plot.smoothing_span(1000) == 100
