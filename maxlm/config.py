@@ -114,6 +114,9 @@ class RopeConfig:
   scaling: str = "none"  # none | linear | yarn
   factor: float = 1.0  # >= 1; context extension factor for linear/yarn
   original_length: int = 4096  # >= 1; the length trained at before scaling (yarn)
+  beta_fast: float = 32.0  # > beta_slow; yarn: more turns in original_length: kept as is
+  beta_slow: float = 1.0  # > 0; yarn: fewer turns in original_length: divided by factor
+  attention_factor: float = 0.0  # >= 0; yarn: scale of cos/sin; 0: 0.1 ln(factor) + 1
 
   def check(self, key):
     if self.scaling not in ("none", "linear", "yarn"):
@@ -121,6 +124,9 @@ class RopeConfig:
     _above(f"{key}.theta", self.theta, 0)
     _at_least(f"{key}.factor", self.factor, 1)
     _at_least(f"{key}.original_length", self.original_length, 1)
+    _above(f"{key}.beta_slow", self.beta_slow, 0)
+    _above(f"{key}.beta_fast", self.beta_fast, self.beta_slow)
+    _at_least(f"{key}.attention_factor", self.attention_factor, 0)
 
 
 @dataclasses.dataclass(frozen=True)
