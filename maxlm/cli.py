@@ -242,7 +242,8 @@ def cmd_show_batch(args):
   if not 0 <= row < len(batch["inputs"]):
     raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
   cli_data.ensure_parent(args.out)
-  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}")
+  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}",
+                    data.provenance(data.global_batch_pieces(args.stage, args.step))[row])
   print(f"wrote {args.out}")
 
 

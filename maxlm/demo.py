@@ -60,7 +60,9 @@ def run(config_name="demo"):
   led = ledger.ledger(data.planner)
   print(ledger.format_table(led, {i: s.name or str(i) for i, s in enumerate(cfg.stages)}))
   batch = loader.stage_dataset(data, 0)[0]
-  show.save_row_png(batch, show.busiest_row(batch), str(run_dir / "batch.png"), "demo")
+  row = show.busiest_row(batch)
+  show.save_row_png(batch, row, str(run_dir / "batch.png"), "demo",
+                    data.provenance(data.global_batch_pieces(0, 0))[row])
   total = sum(st.num_steps for st in cfg.stages)
   print(f"[4/7] training {total} steps through {len(cfg.stages)} stages in {run_dir}")
   _train_with_one_kill(config_path, run_dir, cfg)
