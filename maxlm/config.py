@@ -114,7 +114,7 @@ class RopeConfig:
   scaling: str = "none"  # none | linear | yarn
   factor: float = 1.0  # >= 1; context extension factor for linear/yarn
   original_length: int = 4096  # >= 1; the length trained at before scaling (yarn)
-  beta_fast: float = 32.0  # > beta_slow; yarn: more turns in original_length: kept as is
+  beta_fast: float = 32.0  # > 0, > beta_slow; yarn: more turns in original_length: kept
   beta_slow: float = 1.0  # > 0; yarn: fewer turns in original_length: divided by factor
   attention_factor: float = 0.0  # >= 0; yarn: scale of cos/sin; 0: 0.1 ln(factor) + 1
 
@@ -182,6 +182,27 @@ class TrainConfig:
       _at_least(f"{key}.{name}", getattr(self, name), 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+  # a maxlm run dir (its latest checkpoint, or RUN_DIR@STEP) or a Hugging Face Llama folder
+  # (safetensors); its weights start this run: parameters only, not the optimizer or the data
+  # position, and a checkpoint already in run_dir wins (docs/interop.md). Empty: random;
+  from_: str = ""  # YAML key `from` (a Python keyword: hence the `_` here)
+
+  def check(self, key):
+    path, at, step = self.from_.rpartition("@") if "@" in self.from_ else (self.from_, "", "")
+    if at and not (path and step.isdigit()):
+      raise ConfigError(f"{key}.from: expected PATH or RUN_DIR@STEP with STEP a checkpoint's "
+                        f"step number, got {self.from_!r}")
+
+
+YAML_NAMES = {"from_": "from"}  # fields whose YAML key is a Python keyword
+
+
+def yaml_name(field_name):
+  return YAML_NAMES.get(field_name, field_name)
+
+
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 MAX_SEED = 2**32 - 1
 DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
@@ -236,6 +257,7 @@ class Config:
   data: DataConfig = DataConfig()
   model: ModelConfig = ModelConfig()
   train: TrainConfig = TrainConfig()
+  init: InitConfig = InitConfig()
   rules: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(
       DEFAULT_RULES))
 
@@ -251,6 +273,7 @@ class Config:
     self.data.check("data")
     self.model.check("model")
     self.train.check("train")
+    self.init.check("init")
     for i, stage in enumerate(self.stages):
       if stage.batch % self.train.grad_accum:
         raise ConfigError(f"stages.{i}.batch={stage.batch} is not divisible by "
@@ -275,9 +298,24 @@ def from_dict(raw):
   if isinstance(model, dict):  # a named size fills in what the config does not set
     size = model.get("size", ModelConfig.size)
     raw = {**raw, "model": {**MODEL_SIZES.get(size, {}), **model}}
-  config = build(Config, raw)
+  if isinstance(raw.get("init"), dict):
+    raw = {**raw, "init": {_field_name(k): v for k, v in raw["init"].items()}}
+  try:
+    config = build(Config, raw)
+  except ConfigError as e:
+    raise ConfigError(_yaml_text(str(e))) from None
   config.check()
   return config
+
+
+def _field_name(yaml_key):
+  return {v: k for k, v in YAML_NAMES.items()}.get(yaml_key, yaml_key)
+
+
+def _yaml_text(message):
+  for field, key in YAML_NAMES.items():
+    message = message.replace(f"init.{field}", f"init.{key}").replace(f" {field}", f" {key}")
+  return message
 
 
 def to_dict(config):
@@ -288,7 +326,9 @@ def to_dict(config):
     if isinstance(value, dict):
       return {k: plain(v) for k, v in value.items()}
     return value
-  return plain(dataclasses.asdict(config))
+  out = plain(dataclasses.asdict(config))
+  out["init"] = {yaml_name(k): v for k, v in out["init"].items()}
+  return out
 
 
 def _check_mix(key, mix):

@@ -64,7 +64,7 @@ BLURBS = {  # a few words after a section's key in its heading; sections are fou
     "data": "the token store and the data plan", "data.fim": "fill-in-the-middle",
     "model": "the network", "train": "optimizer, checkpoints, evaluation",
     "stages.N": "the length schedule, one entry per stage", "stages.N.rope": "RoPE scaling",
-    "stages.N.mesh": "device mesh axis sizes",
+    "stages.N.mesh": "device mesh axis sizes", "init": "starting from other weights",
 }
 
 
@@ -165,7 +165,8 @@ def section(prefix, cls):
     default = _default(field)
     if field.name == "rules":  # a long mapping: listed in its own section
       default, meaning = "(section below)", meaning or "logical axis -> mesh axes"
-    rows.append(f"| `{prefix}{field.name}` | `{_cell(kind)}` | {_cell(default)} | "
+    name = config_lib.yaml_name(field.name)
+    rows.append(f"| `{prefix}{name}` | `{_cell(kind)}` | {_cell(default)} | "
                 f"{_cell(meaning)} |")
   return "\n".join(rows)
 

@@ -20,8 +20,8 @@ def test_every_key_is_documented_with_a_meaning():
   for prefix, cls in config_doc.sections():
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-      keys.append(prefix + field.name)
-      row = re.search(rf"^\| `{re.escape(prefix + field.name)}` \| .*$", text, re.M)
+      keys.append(prefix + config_lib.yaml_name(field.name))
+      row = re.search(rf"^\| `{re.escape(keys[-1])}` \| .*$", text, re.M)
       assert row, f"{prefix}{field.name} is missing from docs/config.md"
       meaning = row.group(0).rstrip(" |").rsplit(" | ", 1)[1]
       assert meaning.strip(), (f"{prefix}{field.name} has no comment in maxlm/config.py saying "
