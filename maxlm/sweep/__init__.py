@@ -33,6 +33,12 @@ def sweep(config_path, overrides, budgets, sizes, out, *, workers=1, target=None
                      "a gs:// data.dir)")
   if workers < 1 or eval_rows < 1:
     raise MaxlmError("--workers and --eval-rows must be >= 1")
+  if target is not None and not 1e6 <= target <= 1e30:
+    raise MaxlmError(f"--target-flops: expected a FLOP count in [1e6, 1e30], got {target}")
+  if lr is not None and not 0 < lr < 1e3:
+    raise MaxlmError(f"--lr: expected a learning rate > 0, got {lr}")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise MaxlmError(f"--out {out} is a file; pass a folder")
   if lr is None:  # a train.lr= override fixes the rate too
     lr = _override_lr(overrides)
   base, raw = runner.base_config(config_path, overrides)
