@@ -146,6 +146,9 @@ def _parser():
   p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
   p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
   p.add_argument("--prompt", required=True, help="the text to continue")
+  p.add_argument("--json", action="store_true",
+                 help="print {step, stage, split, sources: {name: {rows, tokens, bytes, loss, "
+                      "bpb}}, all: {...}} as JSON, not a table")
   p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
@@ -283,17 +286,22 @@ def cmd_eval(args):
       return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules)))
 
   split = store.VAL if args.split == "val" else store.TRAIN
-  result = bpb.evaluate(nll, data, stage.seq_len, stage.batch, args.rows or
-                        config.train.eval_rows, split)
-  if not result:
+  if args.rows is not None and args.rows < 1:
+    raise MaxlmError(f"--rows must be >= 1, got {args.rows}")
+  table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, args.rows or
+                             config.train.eval_rows, split)
+  if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
-  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split")
-  print(f"{'source':<12}{'loss/token':>12}{'bits/byte':>12}")
-  for name in ["all"] + data.index.sources:
-    key = "" if name == "all" else f"/{name}"
-    if f"val_loss{key}" in result:
-      print(f"{name:<12}{result[f'val_loss{key}']:>12.4f}"
-            f"{result.get(f'val_bpb{key}', float('nan')):>12.4f}")
+  if args.json:
+    print(json.dumps(bpb.jsonable({"step": step, "stage": s, "split": args.split, **table})))
+    return
+  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split; equal rows "
+        "per source (docs/troubleshooting.md)")
+  print(f"{'source':<12}{'rows':>6}{'tokens':>10}{'bytes':>11}{'loss/token':>12}"
+        f"{'bits/byte':>11}")
+  for name, e in [*table["sources"].items(), ("all", table["all"])]:
+    print(f"{name:<12}{e['rows']:>6}{e['tokens']:>10,}{e['bytes']:>11,}{e['loss']:>12.4f}"
+          f"{e['bpb']:>11.4f}")
 
 
 def cmd_generate(args):

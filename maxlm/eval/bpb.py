@@ -1,57 +1,113 @@
 """Held-out loss and bits per byte, per source, on the documents `prepare` held out.
 
-Held-out documents are cut like training documents (with the same overlap as read-only
-context) and first-fit packed, in index order, into at most `max_rows` rows. A document counts
-toward bits per byte only if all of it was evaluated: the summed NLL of its tokens (in nats)
-over ln 2 and over the UTF-8 bytes of its original text. Chat documents count toward the loss
-but not toward bits per byte, since only their replies are scored.
+Which rows are evaluated (`heldout_rows`) is a fixed rule, so every source is represented and
+an evaluation at step 100 scores exactly the rows of the one at step 50:
+  1. Equal rows per source. Of `max_rows` rows, each source with held-out documents gets
+     the same number of rows, or all its held-out documents fill if fewer; rows left over go
+     one each to the first sources in index order (`row_quotas`). Equal rows, not rows in
+     proportion to tokens, because the per-source numbers are what runs are compared on, and
+     equal rows make each about equally precise: a small source is not left with a row or two.
+     So `all` (val_loss, val_bpb) weighs the sources about equally; it is neither the training
+     mix nor the held-out one, and the per-source values are the ones to read.
+  2. A source's documents are taken in a fixed permutation (seeded by the source's name, not by
+     the run's seed, so runs with different seeds are scored on the same rows and adding a
+     source does not change another's), cut like training documents (with the same overlap as
+     read-only context) and first-fit packed into its rows until a document does not fit.
+The rows depend only on the data dir, the split, seq_len, data.overlap, data.min_cut and
+max_rows: not on the batch size, the hosts or the step.
+
+A document counts toward bits per byte only if all of it was evaluated: the summed NLL of its
+tokens (in nats) over ln 2 and over the UTF-8 bytes of its original text. Chat documents count
+toward the loss but not toward bits per byte, since only their replies are scored.
 """
 
 import math
+import zlib
 
 import numpy as np
 
 from maxlm.data import assemble, chunk, store
 
+FIELDS = ("rows", "tokens", "bytes", "loss", "bpb")
 
-def heldout_rows(index, seq_len, overlap, min_cut, max_rows, split=store.VAL):
-  """(rows of pieces, set of documents whose every piece made it into a row)."""
-  rows, space, complete = [], [], set()
-  for doc in np.flatnonzero(index.split == split).tolist():
+
+def source_order(index, source, split=store.VAL):
+  """The held-out documents of one source in their fixed evaluation order."""
+  docs = np.flatnonzero((index.split == split) & (index.source == source))
+  name = index.sources[source].encode()
+  return docs[np.random.default_rng([zlib.crc32(name), 0xE7A1]).permutation(len(docs))].tolist()
+
+
+def pack(index, docs, seq_len, overlap, min_cut, max_rows):
+  """(rows of pieces, documents whose every piece made it into a row): docs first-fit packed
+  in the given order into at most max_rows rows, stopping at the first that does not fit."""
+  rows, space, complete = [], [], []
+  for doc in docs:
     n = int(index.length[doc])
     pos, lvl = index.bounds(doc)
-    pieces = [(int(index.source[doc]), doc, a, b, ctx, 0)
-              for a, b, ctx in chunk.cut(n, 0, n, pos, lvl, seq_len + 1, overlap, min_cut)]
-    placed = True
-    for piece in pieces:
-      size = chunk.positions(int(piece[2] == 0), piece[4], piece[3] - piece[2],
-                             int(piece[3] == n), 0)
+    for a, b, ctx in chunk.cut(n, 0, n, pos, lvl, seq_len + 1, overlap, min_cut):
+      size = chunk.positions(int(a == 0), ctx, b - a, int(b == n), 0)
       slot = next((i for i, free in enumerate(space) if free >= size), None)
       if slot is None:
         if len(rows) >= max_rows:
-          placed = False
-          break
+          return rows, complete
         rows.append([])
         space.append(seq_len)
         slot = len(rows) - 1
-      rows[slot].append(piece)
+      rows[slot].append((int(index.source[doc]), doc, a, b, ctx, 0))
       space[slot] -= size
-    if placed:
-      complete.add(doc)
+    complete.append(doc)
   return rows, complete
 
 
-def evaluate(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
-  """{'val_loss', 'val_bpb', 'val_loss/<source>', 'val_bpb/<source>'} using nll_fn(batch)->
-  per-position NLL [rows, L]."""
+def row_quotas(wanted, max_rows):
+  """Rows per source: the largest equal share t with sum(min(wanted, t)) <= max_rows (a
+  source gets t rows, or all it can fill: wanted[i]), then one more each, while rows are left,
+  to the first sources in index order that can fill more."""
+  level = 0
+  while level < max(wanted, default=0) and sum(min(w, level + 1) for w in wanted) <= max_rows:
+    level += 1
+  quota = [min(w, level) for w in wanted]
+  left = max_rows - sum(quota)
+  for i, w in enumerate(wanted):
+    if left > 0 and quota[i] < w:
+      quota[i] += 1
+      left -= 1
+  return quota
+
+
+def heldout_rows(index, seq_len, overlap, min_cut, max_rows, split=store.VAL):
+  """(rows of pieces, set of documents whose every piece made it into a row), by the rule in
+  the module docstring; rows are grouped by source, in source index order."""
+  orders = [source_order(index, i, split) for i in range(len(index.sources))]
+  packed = [pack(index, docs, seq_len, overlap, min_cut, max_rows) for docs in orders]
+  quotas = row_quotas([len(rows) for rows, _ in packed], max_rows)
+  rows, complete = [], set()
+  for docs, (full, done), quota in zip(orders, packed, quotas):
+    if quota < len(full):
+      full, done = pack(index, docs, seq_len, overlap, min_cut, quota)
+    rows += full
+    complete.update(done)
+  return rows, complete
+
+
+def evaluate_table(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
+  """{"sources": {name: {rows, tokens, bytes, loss, bpb}}, "all": {...}} using nll_fn(batch)->
+  per-position NLL [rows, L]; {} when the split has no documents. tokens: loss positions
+  scored; bytes: UTF-8 bytes of the documents that count toward bits per byte."""
   cfg = data.config.data
+  rows, complete = heldout_rows(data.index, seq_len, cfg.overlap, cfg.min_cut, max_rows, split)
+  return score(nll_fn, data, rows, complete, seq_len, batch_rows)
+
+
+def score(nll_fn, data, rows, complete, seq_len, batch_rows):
+  """`evaluate_table` of given rows of pieces and complete documents; a source's `rows` are
+  those holding any of its pieces."""
   index = data.index
-  rows, complete = heldout_rows(index, seq_len, cfg.overlap, cfg.min_cut, max_rows, split)
   if not rows:
     return {}
-  names = index.sources
-  nll_src = np.zeros(len(names))
-  count_src = np.zeros(len(names))
+  n_src = len(index.sources)
+  nll_src, count_src, rows_src = np.zeros(n_src), np.zeros(n_src), np.zeros(n_src, np.int64)
   nll_doc = {}
   for first in range(0, len(rows), batch_rows):
     group = rows[first:first + batch_rows]
@@ -62,6 +118,7 @@ def evaluate(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
     batch = {f: np.stack([a[f] for a in arrays]) for f in assemble.FIELDS}
     nll = np.asarray(nll_fn(batch), np.float64)
     for r, pieces in enumerate(group):
+      rows_src[sorted({p[0] for p in pieces})] += 1
       seg = batch["segment_ids"][r]
       for k, piece in enumerate(pieces, 1):
         at = seg == k
@@ -69,16 +126,44 @@ def evaluate(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
         nll_src[piece[0]] += value
         count_src[piece[0]] += int(batch["loss_mask"][r][at].sum())
         nll_doc[piece[1]] = nll_doc.get(piece[1], 0.0) + value
-  out = {"val_loss": float(nll_src.sum() / max(count_src.sum(), 1))}
-  bits, nbytes = np.zeros(len(names)), np.zeros(len(names))
+  bits, nbytes = np.zeros(n_src), np.zeros(n_src, np.int64)
   for doc in complete:
     if not index.is_chat[doc]:
       bits[index.source[doc]] += nll_doc.get(doc, 0.0) / math.log(2)
       nbytes[index.source[doc]] += int(index.nbytes[doc])
-  out["val_bpb"] = float(bits.sum() / nbytes.sum()) if nbytes.sum() else float("nan")
-  for i, name in enumerate(names):
-    if count_src[i]:
-      out[f"val_loss/{name}"] = float(nll_src[i] / count_src[i])
-    if nbytes[i]:
-      out[f"val_bpb/{name}"] = float(bits[i] / nbytes[i])
+
+  def entry(rows_n, count, nll_sum, bits_sum, bytes_n):
+    return {"rows": int(rows_n), "tokens": int(count),
+            "bytes": int(bytes_n), "loss": float(nll_sum / count) if count else float("nan"),
+            "bpb": float(bits_sum / bytes_n) if bytes_n else float("nan")}
+
+  sources = {name: entry(rows_src[i], count_src[i], nll_src[i], bits[i], nbytes[i])
+             for i, name in enumerate(index.sources) if rows_src[i]}
+  return {"sources": sources, "all": entry(len(rows), count_src.sum(), nll_src.sum(),
+                                           bits.sum(), nbytes.sum())}
+
+
+def as_metrics(table):
+  """The flat metrics.jsonl / TensorBoard keys: val_loss, val_bpb, val_loss/<source>,
+  val_bpb/<source> (a source without complete documents has no val_bpb/<source>)."""
+  if not table:
+    return {}
+  out = {"val_loss": table["all"]["loss"], "val_bpb": table["all"]["bpb"]}
+  for name, e in table["sources"].items():
+    if e["tokens"]:
+      out[f"val_loss/{name}"] = e["loss"]
+    if e["bytes"]:
+      out[f"val_bpb/{name}"] = e["bpb"]
   return out
+
+
+def evaluate(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
+  """`as_metrics` of `evaluate_table`."""
+  return as_metrics(evaluate_table(nll_fn, data, seq_len, batch_rows, max_rows, split))
+
+
+def jsonable(value):
+  """value with NaN (no bytes or tokens to divide by) as None, for strict JSON."""
+  if isinstance(value, dict):
+    return {k: jsonable(v) for k, v in value.items()}
+  return None if isinstance(value, float) and math.isnan(value) else value
