@@ -1,0 +1,109 @@
+"""Which maxlm parameter is which tensor of transformers' `LlamaForCausalLM`, and the reshapes.
+
+maxlm keeps DenseGeneral kernels as [in..., out...] with heads as their own axes, gate and up
+in one [D, 2, F] kernel, and scanned layers stacked on a leading axis; Llama keeps each weight
+as a torch Linear [out, in], one tensor per layer. RoPE rotates the same pairs (x_i, x_{i+D/2})
+as transformers' `rotate_half`, so q and k need no permutation (tests/test_interop.py proves it
+against transformers' logits). Every reshape here is a transpose or a view, so a round trip is
+bit for bit.
+"""
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One maxlm parameter: its path in the params tree, whether it is stacked over layers, and
+  how one layer's (or the whole) array maps to Llama tensors (name suffixes) and back."""
+  path: tuple
+  shape: tuple  # the whole parameter's (layers first when stacked)
+  per_layer: bool
+  to_hf: Callable  # maxlm array -> {hf name (a suffix for per-layer leaves): array}
+  from_hf: Callable  # get(hf name) -> maxlm array
+
+
+def hf_layer_name(i, suffix):
+  return f"model.layers.{i}.{suffix}"
+
+
+def _c(x):
+  return np.ascontiguousarray(x)  # safetensors writes an array's memory as it lies
+
+
+def leaves(cfg):
+  """The Leaf of every maxlm parameter, for a ModelConfig with vocab_size resolved."""
+  d, h, k, hd, f, v, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                          cfg.vocab_size, cfg.n_layers)
+
+  def qkv(name, heads):
+    return (lambda a: {name: _c(a.reshape(d, heads * hd).T)},
+            lambda get: _c(get(name).T.reshape(d, heads, hd)))
+
+  layer = {  # local path: (one layer's shape, to_hf, from_hf)
+      ("attention", "query", "kernel"): ((d, h, hd), *qkv("self_attn.q_proj.weight", h)),
+      ("attention", "key", "kernel"): ((d, k, hd), *qkv("self_attn.k_proj.weight", k)),
+      ("attention", "value", "kernel"): ((d, k, hd), *qkv("self_attn.v_proj.weight", k)),
+      ("attention", "out", "kernel"): ((h, hd, d),
+          lambda a: {"self_attn.o_proj.weight": _c(a.reshape(h * hd, d).T)},
+          lambda get: _c(get("self_attn.o_proj.weight").T.reshape(h, hd, d))),
+      ("attention_norm", "scale"): ((d,),
+          lambda a: {"input_layernorm.weight": _c(a)},
+          lambda get: _c(get("input_layernorm.weight"))),
+      ("mlp", "gate_up", "kernel"): ((d, 2, f),
+          lambda a: {"mlp.gate_proj.weight": _c(a[:, 0, :].T),
+                     "mlp.up_proj.weight": _c(a[:, 1, :].T)},
+          lambda get: _c(np.stack([get("mlp.gate_proj.weight").T,
+                                   get("mlp.up_proj.weight").T], axis=1))),
+      ("mlp", "down", "kernel"): ((f, d),
+          lambda a: {"mlp.down_proj.weight": _c(a.T)},
+          lambda get: _c(get("mlp.down_proj.weight").T)),
+      ("mlp_norm", "scale"): ((d,),
+          lambda a: {"post_attention_layernorm.weight": _c(a)},
+          lambda get: _c(get("post_attention_layernorm.weight"))),
+  }
+  out = [Leaf(("embedding",), (v, d), False, lambda a: {"model.embed_tokens.weight": _c(a)},
+              lambda get: _c(get("model.embed_tokens.weight")))]
+  for local, (shape, to_hf, from_hf) in layer.items():
+    if cfg.scan_layers:
+      out.append(Leaf(("layers", *local), (n, *shape), True, to_hf, from_hf))
+    else:
+      for i in range(n):
+        out.append(Leaf((f"layer_{i}", *local), shape, False, _named(i, to_hf),
+                        _got(i, from_hf)))
+  out.append(Leaf(("final_norm", "scale"), (d,), False,
+                  lambda a: {"model.norm.weight": _c(a)},
+                  lambda get: _c(get("model.norm.weight"))))
+  if not cfg.tied_embeddings:
+    out.append(Leaf(("head",), (d, v), False, lambda a: {"lm_head.weight": _c(a.T)},
+                    lambda get: _c(get("lm_head.weight").T)))
+  return out
+
+
+def _named(i, to_hf):
+  return lambda a: {hf_layer_name(i, k): v for k, v in to_hf(a).items()}
+
+
+def _got(i, from_hf):
+  return lambda get: from_hf(lambda name: get(hf_layer_name(i, name)))
+
+
+def hf_shapes(cfg):
+  """{hf tensor name: shape} of the Llama model a ModelConfig exports to."""
+  d, h, k, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                       cfg.vocab_size)
+  shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+  for i in range(cfg.n_layers):
+    for name, shape in (("self_attn.q_proj.weight", (h * hd, d)),
+                        ("self_attn.k_proj.weight", (k * hd, d)),
+                        ("self_attn.v_proj.weight", (k * hd, d)),
+                        ("self_attn.o_proj.weight", (d, h * hd)),
+                        ("mlp.gate_proj.weight", (f, d)), ("mlp.up_proj.weight", (f, d)),
+                        ("mlp.down_proj.weight", (d, f)), ("input_layernorm.weight", (d,)),
+                        ("post_attention_layernorm.weight", (d,))):
+      shapes[hf_layer_name(i, name)] = shape
+  if not cfg.tied_embeddings:
+    shapes["lm_head.weight"] = (v, d)
+  return shapes

@@ -1,0 +1,146 @@
+"""A run's checkpoint read one parameter, or one layer of a stacked parameter, at a time.
+
+Orbax restores whole pytrees into device shardings; exporting or initialising from a model
+that may not fit one host needs less: each array is opened with TensorStore where Orbax wrote
+it (`state/`, OCDBT or plain zarr, merged across the processes that wrote it) and read a layer
+at a time, so the host holds one layer's slice of one parameter. Every array is still checked
+against the digest the checkpoint recorded for it (`maxlm.train.integrity`): the XXH3 of an
+array is the XXH3 of its layer slices' bytes in order, so the digest is updated as the layers
+are read and compared after the last one. (A multi-process checkpoint records per-shard digests
+of process 0's shards only; those arrays are read unverified, and `unverified` names them.)
+"""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import tensorstore as ts
+import xxhash
+
+from maxlm import MaxlmError, config as config_lib, io
+from maxlm.interop import layout
+from maxlm.train import checkpoint, integrity
+
+
+def split_spec(spec):
+  """'RUN_DIR' or 'RUN_DIR@STEP' -> (run_dir, step or None)."""
+  path, at, step = spec.rpartition("@")
+  if at and path and step.isdigit():
+    return path, int(step)
+  return spec, None
+
+
+class RunCheckpoint:
+  """The parameters of one checkpoint of a maxlm run, by HF tensor name (`get`)."""
+
+  def __init__(self, run_dir, step=None, log=print):
+    self.run_dir = run_dir
+    if not io.exists(io.join(run_dir, "config.yaml")):
+      what = "does not exist" if not io.exists(run_dir) else "is not a maxlm run dir"
+      raise MaxlmError(f"{run_dir} {what} (no config.yaml)")
+    ckpts = checkpoint.Checkpoints(run_dir, 1, False, log=log, read_only=True)
+    try:
+      steps = ckpts.steps()
+      if not steps:
+        raise MaxlmError(f"{run_dir} has no checkpoint yet")
+      if step is None:
+        found = ckpts.latest_readable()
+        if found is None:
+          raise MaxlmError(f"no checkpoint in {run_dir} has readable, intact metadata")
+        step, meta = found
+      elif step not in steps:
+        raise MaxlmError(f"{run_dir} has no checkpoint {step}; it has "
+                         f"{', '.join(map(str, steps))}")
+      else:
+        try:
+          meta = ckpts.meta(step)
+        except integrity.CorruptCheckpoint as e:
+          raise MaxlmError(str(e)) from None
+      self.state_dir = io.join(io.join(ckpts.dir, str(step)), "state")
+    finally:
+      ckpts.close()
+    self.step, self.meta = step, meta
+    self.config = config_lib.from_dict(meta["config"])
+    self.vocab = int(meta["vocab"])
+    self.model_cfg = dataclasses.replace(self.config.model, vocab_size=self.vocab)
+    self.digests = meta.get("integrity", {}).get("arrays", {})
+    self.unverified = []
+    self._stores, self._hashers, self._cache = {}, {}, (None, None)
+    self._names = self._hf_names()
+    with _open(io.join(self.state_dir, "_METADATA")) as f:
+      self._format = json.load(f)
+
+  def _hf_names(self):
+    """{hf name: (leaf, layer or None)}: where each Llama tensor comes from."""
+    names = {}
+    for leaf in layout.leaves(self.model_cfg):
+      shape = leaf.shape
+      for i in range(self.model_cfg.n_layers) if leaf.per_layer else [None]:
+        dummy = np.zeros(shape[1:] if leaf.per_layer else shape, np.float32)
+        for name in leaf.to_hf(dummy):
+          names[layout.hf_layer_name(i, name) if leaf.per_layer else name] = (leaf, i)
+    return names
+
+  def names(self):
+    return list(self._names)
+
+  def get(self, name):
+    """One Llama tensor (float32, numpy). Layers of a stacked parameter are read in order."""
+    leaf, i = self._names[name]
+    if self._cache[0] != (leaf.path, i):
+      self._cache = ((leaf.path, i), leaf.to_hf(self._read(leaf.path, i)))
+    suffix = name.split(".", 3)[3] if leaf.per_layer else name
+    return self._cache[1][suffix]
+
+  def _read(self, path, layer):
+    key = jax_keystr(("params", *path))
+    store = self._stores.get(path)
+    if store is None:
+      store = self._stores[path] = _open_array(self.state_dir, self._format, ("params", *path))
+    array = np.asarray((store[layer] if layer is not None else store).read().result())
+    want = self.digests.get(key)
+    if want is None:
+      if self.digests and key not in self.unverified:
+        self.unverified.append(key)
+      return array
+    hasher, expected = self._hashers.get(path, (xxhash.xxh3_64(), 0))
+    if (layer or 0) != expected:  # out of order: check the whole array once, apart
+      whole = np.ascontiguousarray(store.read().result())
+      hasher, layer = xxhash.xxh3_64(whole.reshape(-1).view(np.uint8)), None
+    else:
+      hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+      self._hashers[path] = (hasher, expected + 1)
+    if layer is None or layer == store.shape[0] - 1:
+      dtype = np.dtype(store.dtype.numpy_dtype)
+      if f"{dtype}{list(store.shape)}:{hasher.hexdigest()}" != want:
+        raise MaxlmError(f"checkpoint {self.step} of {self.run_dir} is corrupt: parameter "
+                         f"{'/'.join(path)} does not match its checksum")
+    return array
+
+
+def jax_keystr(path):
+  return "".join(f"[{k!r}]" for k in path)
+
+
+def _open(path):
+  if io.is_local(path):
+    return open(path)
+  import io as io_lib
+  return io_lib.StringIO(io.read_bytes(path).decode())
+
+
+def _open_array(state_dir, fmt, keys):
+  base = (f"file://{os.path.abspath(state_dir)}/" if io.is_local(state_dir)
+          else state_dir.rstrip("/") + "/")
+  name = ".".join(keys)
+  if fmt.get("use_ocdbt", True):
+    kvstore = {"driver": "ocdbt", "base": base, "path": name + "/"}
+  else:
+    kvstore = base + name + "/"
+  driver = "zarr3" if fmt.get("use_zarr3") else "zarr"
+  try:
+    return ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True).result()
+  except Exception as e:  # noqa: BLE001 (TensorStore's errors: not found, unreadable)
+    raise MaxlmError(f"cannot read parameter {'/'.join(keys[1:])} from {state_dir}: "
+                     f"{str(e).splitlines()[0][:200]}") from None
