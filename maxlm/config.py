@@ -37,6 +37,9 @@ class DataConfig:
   workers: int = 0  # >= 0; Grain worker processes; batches do not depend on it
   prefetch: int = 2  # >= 1; batches each worker prepares ahead
   allow_changed: bool = False  # resume on other data than the checkpoint's (logged)
+  # [[a, b], ...], 0 <= a < b, not overlapping: global steps a..b-1 train on the batches after
+  # them instead (after a loss spike; maxlm/data/skip.py, docs/troubleshooting.md)
+  skip_steps: tuple[tuple[int, ...], ...] = ()
 
   def check(self, key):
     _check_mix(f"{key}.mix", self.mix)
@@ -51,6 +54,7 @@ class DataConfig:
       raise ConfigError(f"{key}.block_rows: must be a multiple of {key}.shuffle_rows "
                         f"({self.shuffle_rows}), got {self.block_rows}")
     self.fim.check(f"{key}.fim")
+    _check_skip_steps(f"{key}.skip_steps", self.skip_steps)
 
 
 MODEL_SIZES = {  # named sizes; explicit model.* keys override them
@@ -164,6 +168,8 @@ class TrainConfig:
   eval_every: int = 50  # >= 0; steps between held-out evaluations (0: only at the end)
   eval_rows: int = 32  # >= 1; held-out rows per evaluation
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on
+  spike_window: int = 32  # >= 0; trailing steps whose loss statistics flag a spike (0: off)
+  spike_sigmas: float = 6.0  # > 0; a spike: loss > mean + spike_sigmas * std of that window
 
   def check(self, key):
     _above(f"{key}.lr", self.lr, 0)
@@ -176,7 +182,8 @@ class TrainConfig:
     _above(f"{key}.clip", self.clip, 0)
     if self.schedule not in ("cosine", "wsd"):
       raise ConfigError(f"{key}.schedule: expected cosine or wsd, got {self.schedule!r}")
-    for name in ("warmup_steps", "eval_every"):
+    _above(f"{key}.spike_sigmas", self.spike_sigmas, 0)
+    for name in ("warmup_steps", "eval_every", "spike_window"):
       _at_least(f"{key}.{name}", getattr(self, name), 0)
     for name in ("grad_accum", "checkpoint_every", "keep", "eval_rows"):
       _at_least(f"{key}.{name}", getattr(self, name), 1)
@@ -329,6 +336,17 @@ def to_dict(config):
   out = plain(dataclasses.asdict(config))
   out["init"] = {yaml_name(k): v for k, v in out["init"].items()}
   return out
+
+
+def _check_skip_steps(key, ranges):
+  for i, r in enumerate(ranges):
+    if len(r) != 2 or not 0 <= r[0] < r[1]:
+      raise ConfigError(f"{key}.{i}: expected [a, b] with 0 <= a < b (global steps a..b-1 "
+                        f"are skipped), got {list(r)}")
+  ordered = sorted(ranges)
+  for (a0, b0), (a1, b1) in zip(ordered, ordered[1:]):
+    if a1 < b0:
+      raise ConfigError(f"{key}: ranges [{a0}, {b0}] and [{a1}, {b1}] overlap; merge them")
 
 
 def _check_mix(key, mix):

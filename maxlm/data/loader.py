@@ -3,7 +3,8 @@
 `Data` opens a prepared data dir for a config (index, token store, tokenizer ids, planner).
 `stage_dataset` is a Grain `MapDataset` of this host's rows -> batches of [rows_per_host, L];
 element k is step k, so any step can be read directly, and `iterator` wraps it for training
-with optional worker processes. Its state is saved with Orbax through `grain.checkpoint`; since
+with optional worker processes. Step k of stage s trains on batch `plan_step(s, k)` of the
+stage's plan: k itself, unless `data.skip_steps` skips batches before it (maxlm/data/skip.py). Its state is saved with Orbax through `grain.checkpoint`; since
 each batch depends only on (s, k), a run may also resume by step alone on another host or
 worker count.
 """
@@ -15,7 +16,7 @@ import numpy as np
 
 from maxlm import MaxlmError
 from maxlm.config import ConfigError
-from maxlm.data import assemble, fim, plan, store, tokenizer
+from maxlm.data import assemble, fim, plan, skip, store, tokenizer
 
 
 class Data:
@@ -28,7 +29,8 @@ class Data:
     _check_fim_sources(config, self.index.sources)
     self.store = store.TokenStore(config.data.dir, self.index)
     self.special = tokenizer.SpecialIds(**self.manifest["special_ids"])
-    self.planner = plan.Planner(self.index, config)
+    self.planner = plan.Planner(self.index, skip.planning_config(config))
+    self.skips = [skip.StageSkips(config, s) for s in range(len(config.stages))]
     self._doc_ids = None
 
   def rows_per_host(self, s, hosts):
@@ -37,9 +39,14 @@ class Data:
       raise MaxlmError(f"stages.{s}.batch={batch} is not divisible by {hosts} hosts")
     return batch // hosts
 
+  def plan_step(self, s, k):
+    """The batch of stage s's plan that its step k trains on."""
+    return self.skips[s](k)
+
   def global_batch_pieces(self, s, k):
+    """Rows of pieces of the global batch stage s's step k trains on."""
     batch = self.config.stages[s].batch
-    return self.planner.rows(s, k * batch, batch)
+    return self.planner.rows(s, self.plan_step(s, k) * batch, batch)
 
   def provenance(self, rows):
     """JSON-able provenance for rows of pieces."""
@@ -64,7 +71,7 @@ class HostRows:
   def __init__(self, data, s, host, hosts):
     self.store, self.special = data.store, data.special
     self.planner, self.seed = data.planner, data.config.seed
-    self.s, self.host = s, host
+    self.s, self.host, self.skips = s, host, data.skips[s]
     self.batch = data.config.stages[s].batch
     self.per_host = data.rows_per_host(s, hosts)
     self.seq_len = data.config.stages[s].seq_len
@@ -72,7 +79,7 @@ class HostRows:
 
   def global_row(self, j):
     step, r = divmod(j, self.per_host)
-    return step * self.batch + self.host * self.per_host + r
+    return self.skips(step) * self.batch + self.host * self.per_host + r
 
   def __call__(self, j):
     (pieces,) = self.planner.rows(self.s, self.global_row(int(j)), 1)

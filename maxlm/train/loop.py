@@ -23,7 +23,7 @@ from maxlm.eval import bpb
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import mesh as mesh_lib
 from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
-                         rundir, step as step_lib)
+                         rundir, spikes, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 
@@ -182,6 +182,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
   peak = measure_peak_flops()
   preempt = Preemption()
   state, stage0, k0, consumed, it_start, resumed = None, 0, 0, {}, None, None
+  spike_state = None
   ran, summary, first_row = 0, {"resumed_from": None}, {}
   eta = console.Eta((st.num_steps, st.batch * st.seq_len) for st in config.stages)
   try:
@@ -197,7 +198,9 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
       it_start, resumed = meta.get("iterator_start"), (step_no, meta)
       summary["resumed_from"] = step_no
       first_row = {"data_changed": 1} if changed else {}
+      spike_state = meta.get("spikes")
       log(f"resumed from checkpoint {step_no} (stage {stage0}, step {k0})")
+    detector = spikes.Detector(config.train.spike_window, config.train.spike_sigmas, spike_state)
     for s in range(stage0, len(config.stages)):
       stage = config.stages[s]
       mesh, model, opt, step_fn, nll_fn, shardings = stage_parts(config, s, vocab)
@@ -227,6 +230,12 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
                "mfu": flops * real / dt / peak, "fingerprint": fingerprint(batch),
                **_loss_tokens(data, s, k, consumed), **first_row}
         first_row = {}
+        spike = detector.observe(s, m["loss"])
+        if spike:
+          row["spike"] = spike
+          log(f"step {g}: loss spike, {m['loss']:.4f} > {spike['threshold']:.4f} (mean + "
+              f"{config.train.spike_sigmas:g} std of the last {config.train.spike_window} "
+              f"steps); maxlm trace {config.run_dir} --step {g}")
         finite = integrity.all_finite(m)
         if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0:
           row.update(_evaluate(nll_fn, state, data, stage, mesh, config))
@@ -240,7 +249,8 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         last = k == steps - 1
         stop = preempt.signal or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
-          resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start)
+          resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start,
+                      detector.state())
           run_dir.push()
         if stop:
           ckpts.wait()

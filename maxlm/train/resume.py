@@ -23,7 +23,7 @@ import json
 import jax
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.data import loader, plan
+from maxlm.data import loader, plan, skip
 from maxlm.model import build
 from maxlm.train import checkpoint, integrity, step as step_lib
 
@@ -81,6 +81,8 @@ def resume(ckpts, config, data, vocab, stage_parts, log, reader=False):
     step_no, meta = found
     check_same_model(config, vocab, meta)
     changed = check_same_data(config, data, meta, step_no, log, reader)
+    if not reader:
+      skip.check_resume(config, meta["config"]["data"].get("skip_steps", ()), step_no)
     try:
       state = restore_state(ckpts, step_no, meta, config, vocab, stage_parts)
       if meta.get("planner"):
@@ -139,8 +141,10 @@ def iterator(ckpts, resumed, data, s, k0, it_start, log):
   return loader.iterator(data, s, host, hosts, start_step=k0), k0
 
 
-def save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_start):
-  """Checkpoint `global_step`: the state and the position of the step after it."""
+def save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_start,
+         spikes=None):
+  """Checkpoint `global_step`: the state and the position of the step after it (and the
+  spike detector's window, maxlm/train/spikes.py)."""
   stage = config.stages[s]
   if next_k >= stage.num_steps and s + 1 < len(config.stages):
     s, next_k = s + 1, 0  # a stage boundary: resume at the next stage's first step
@@ -151,5 +155,5 @@ def save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_st
           "iterator_start": it_start if it is not None else None,
           "planner": checkpoint.snapshot_to_json(snap), "config": config_lib.to_dict(config),
           "vocab": config.model.vocab_size or int(data.manifest["vocab_size"]),
-          "data_fingerprint": data_fingerprint(data), "finite": True}
+          "data_fingerprint": data_fingerprint(data), "finite": True, "spikes": spikes}
   ckpts.save(global_step, state, meta, it)
