@@ -154,6 +154,22 @@ def _parser():
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
+  p = sub.add_parser("export", help="a checkpoint as a Hugging Face Llama folder "
+                     "(transformers loads it without maxlm; docs/interop.md)")
+  p.add_argument("run_dir", help="a run's folder (its config.yaml and checkpoints)")
+  p.add_argument("--out", required=True, help="the folder to write (local)")
+  p.add_argument("--step", type=int, default=None,
+                 help="the checkpoint to export (default: the newest intact one)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="the weights' dtype in the safetensors files")
+  p.add_argument("--shard-size", type=float, default=2.0, metavar="GIB",
+                 help="largest safetensors file, in GiB; above it the weights are sharded "
+                      "with model.safetensors.index.json")
+  p.add_argument("--no-tokenizer", action="store_true",
+                 help="export the weights and configs alone (no tokenizer files)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace an existing --out folder (once the export is complete)")
+
   p = sub.add_parser("plot", help="PNG of a run's curves: loss (smoothed), val loss and bits "
                      "per byte per source, lr, norms, max logit, MFU")
   p.add_argument("run_dir", help="a run's folder (its metrics.jsonl)")
@@ -320,6 +336,19 @@ def cmd_generate(args):
   print(args.prompt + sp.decode(out))
 
 
+def cmd_export(args):
+  from maxlm.interop import export
+  if not args.shard_size > 0:
+    raise MaxlmError(f"--shard-size must be > 0 GiB, got {args.shard_size}")
+  if args.step is not None and args.step < 0:
+    raise MaxlmError(f"--step must be >= 0, got {args.step}")
+  done = export.export(args.run_dir, args.out, args.step, args.dtype,
+                       int(args.shard_size * 2**30), not args.no_tokenizer, args.overwrite)
+  print(f"wrote {done['out']}: checkpoint {done['step']} (stage {done['stage']}), "
+        f"{done['tensors']} tensors, {done['bytes'] / 2**20:,.1f} MiB in "
+        f"{len(done['files'])} safetensors file(s), {done['seconds']:.1f} s")
+
+
 def cmd_plot(args):
   from maxlm.train import plot
   out = args.out or io.join(args.run_dir, "curves.png")
@@ -345,7 +374,7 @@ COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
             "verify-restart": cmd_verify_restart, "eval": cmd_eval,
-            "generate": cmd_generate,
+            "generate": cmd_generate, "export": cmd_export,
             "sweep": cmd_sweep, "demo": cmd_demo}
 
 
@@ -376,7 +405,7 @@ _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still e
     "demo": ("maxlm.demo",), "prepare": ("maxlm.data.prepare",),
     "ledger": ("maxlm.data.loader",), "batches": ("maxlm.data.loader",),
     "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",),
-    "sweep": ("maxlm.sweep",)}
+    "sweep": ("maxlm.sweep",), "export": ("maxlm.interop.export",)}
 
 
 def _import_early(command):

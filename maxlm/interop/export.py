@@ -50,9 +50,7 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   try:
-    _dump(os.path.join(tmp, "config.json"), hf)
-    _dump(os.path.join(tmp, "generation_config.json"), hf_config.generation_config(special))
-    files, total = _write_weights(tmp, source, DTYPES[dtype], shard_bytes)
+    files, total = write_model(tmp, hf, special, source, dtype, shard_bytes)
     if proto is not None:
       tokenizer.write(tmp, proto, special, hf["max_position_embeddings"])
     if os.path.exists(out):
@@ -85,6 +83,14 @@ def _tokenizer(config, with_tokenizer):
     raise MaxlmError(f"the data dir {config.data.dir} has no tokenizer.model (it was made "
                      "without one): pass --no-tokenizer to export the weights alone")
   return special, io.read_bytes(io.join(config.data.dir, manifest["tokenizer"]))
+
+
+def write_model(folder, hf, special, source, dtype="float32", shard_bytes=SHARD_BYTES):
+  """config.json, generation_config.json and the weights of `source` (`names()`, `get(name)`,
+  `model_cfg`) into an existing folder; returns (safetensors file names, bytes)."""
+  _dump(os.path.join(folder, "config.json"), hf)
+  _dump(os.path.join(folder, "generation_config.json"), hf_config.generation_config(special))
+  return _write_weights(folder, source, DTYPES[dtype], shard_bytes)
 
 
 def _write_weights(folder, source, dtype, shard_bytes):

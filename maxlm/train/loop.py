@@ -20,6 +20,7 @@ import yaml
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import ledger, loader, plan
 from maxlm.eval import bpb
+from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import mesh as mesh_lib
 from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
@@ -200,6 +201,10 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
       first_row = {"data_changed": 1} if changed else {}
       spike_state = meta.get("spikes")
       log(f"resumed from checkpoint {step_no} (stage {stage0}, step {k0})")
+    checking = (log.phase(f"checking init.from {config.init.from_}")
+                if config.init.from_ and found is None else contextlib.nullcontext())
+    with checking:  # before anything compiles; a checkpoint in run_dir wins over init.from
+      init_source, init_from = init_lib.start(config, data, vocab, found, log)
     detector = spikes.Detector(config.train.spike_window, config.train.spike_sigmas, spike_state)
     for s in range(stage0, len(config.stages)):
       stage = config.stages[s]
@@ -208,6 +213,9 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         with log.phase(f"initializing the parameters (seed {config.seed})"):
           state = step_lib.init_state(model, opt, mesh, config.rules, config.seed,
                                       stage.seq_len)
+        if init_source is not None:
+          with log.phase(f"reading the parameters from init.from {config.init.from_}"):
+            state = init_lib.into_state(init_source, state, model, opt, mesh, shardings, log)
         ckpts.check_space(state)
       state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
       it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
@@ -250,7 +258,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         stop = preempt.signal or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
           resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start,
-                      detector.state())
+                      detector.state(), init_from)
           run_dir.push()
         if stop:
           ckpts.wait()

@@ -142,9 +142,9 @@ def iterator(ckpts, resumed, data, s, k0, it_start, log):
 
 
 def save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_start,
-         spikes=None):
+         spikes=None, init_from=None):
   """Checkpoint `global_step`: the state and the position of the step after it (and the
-  spike detector's window, maxlm/train/spikes.py)."""
+  spike detector's window, maxlm/train/spikes.py; where init.from took the parameters)."""
   stage = config.stages[s]
   if next_k >= stage.num_steps and s + 1 < len(config.stages):
     s, next_k = s + 1, 0  # a stage boundary: resume at the next stage's first step
@@ -156,4 +156,6 @@ def save(ckpts, data, state, s, next_k, global_step, consumed, config, it, it_st
           "planner": checkpoint.snapshot_to_json(snap), "config": config_lib.to_dict(config),
           "vocab": config.model.vocab_size or int(data.manifest["vocab_size"]),
           "data_fingerprint": data_fingerprint(data), "finite": True, "spikes": spikes}
+  if init_from is not None:
+    meta["init_from"] = init_from
   ckpts.save(global_step, state, meta, it)

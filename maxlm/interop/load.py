@@ -1,0 +1,215 @@
+"""`init.from: PATH`: a new run's parameters from another run or from a Hugging Face folder.
+
+PATH is a maxlm run dir (its newest intact checkpoint), `RUN_DIR@STEP` (that checkpoint), or a
+transformers Llama folder (config.json + safetensors, sharded or not). Only the parameters are
+taken: the optimizer starts fresh, the step counter at 0 and the data at the first batch of the
+schedule, which is what fine-tuning (SFT) from a pretrained run and extending a model through
+a length schedule want. Both kinds of source are read through the Llama tensor names
+(`layout`), so a scanned run can start an unrolled one and an export starts a run bit for bit
+where its source stopped.
+
+Checked before anything compiles, each as one line: the path exists and is one of the kinds
+above, its shapes and vocabulary are this model's (named by the model key to change), its
+tokenizer is this data dir's (where both are known). A checkpoint already in run_dir wins over
+init.from (that is a resume), and the loop says so. Where the parameters came from is kept in
+every checkpoint's metadata (`init_from`) and logged.
+"""
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+
+import jax
+import ml_dtypes  # noqa: F401 (lets safetensors' numpy reader return bfloat16 tensors)
+import numpy as np
+from safetensors import safe_open
+
+from maxlm import MaxlmError, io
+from maxlm.interop import hf_config, layout, run_reader
+
+_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
+               "tied_embeddings")
+
+
+class HfFolder:
+  """The tensors of a transformers Llama folder, by name, read one at a time (memory-mapped)."""
+
+  def __init__(self, path):
+    self.path = path
+    try:
+      with open(os.path.join(path, "config.json")) as f:
+        self.hf = json.load(f)
+    except (OSError, ValueError) as e:
+      raise MaxlmError(f"init.from {path}: config.json unreadable ({e})") from None
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+      with open(index) as f:
+        self.files = {n: os.path.join(path, file) for n, file in json.load(f)["weight_map"].items()}
+    else:
+      files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+      if not files:
+        raise MaxlmError(f"init.from {path}: no *.safetensors files (PyTorch .bin weights are "
+                         "not read: save them with safe_serialization=True)")
+      self.files = {}
+      for file in files:
+        with safe_open(file, framework="np") as f:
+          self.files.update({n: file for n in f.keys()})
+    self._open = {}
+
+  def get(self, name):
+    file = self.files.get(name)
+    if file is None:
+      raise MaxlmError(f"init.from {self.path}: tensor {name} is missing")
+    if file not in self._open:
+      try:
+        self._open[file] = safe_open(file, framework="np")
+      except Exception as e:  # noqa: BLE001 (a missing or damaged file)
+        raise MaxlmError(f"init.from {self.path}: cannot read {os.path.basename(file)} "
+                         f"({e})") from None
+    return self._open[file].get_tensor(name).astype(np.float32)
+
+
+@dataclasses.dataclass
+class Source:
+  get: object  # hf tensor name -> float32 array
+  names: list
+  record: dict  # what went into the checkpoint metadata
+  tokenizer: bytes | None
+
+
+def open_source(config, vocab, data_tokenizer, log=print):
+  """The checked source of config.init.from for this model (vocab resolved)."""
+  spec = config.init.from_
+  cfg = dataclasses.replace(config.model, vocab_size=vocab)
+  path, step = run_reader.split_spec(spec)
+  where = f"init.from {spec}"
+  if io.is_local(path) and not os.path.exists(path):
+    raise MaxlmError(f"{where}: no such file or folder")
+  if io.exists(io.join(path, "config.yaml")):
+    source = _from_run(path, step, cfg, where, log)
+  elif step is not None:
+    raise MaxlmError(f"{where}: {path} is not a maxlm run dir (no config.yaml), so @{step} "
+                     "names no checkpoint")
+  elif io.is_local(path) and os.path.exists(os.path.join(path, "config.json")):
+    source = _from_hf(path, cfg, where, log)
+  else:
+    raise MaxlmError(f"{where}: neither a maxlm run dir (config.yaml) nor a Hugging Face "
+                     "folder (config.json + safetensors)")
+  _check_tokenizer(source.tokenizer, data_tokenizer, where, log)
+  return source
+
+
+def _from_run(path, step, cfg, where, log):
+  try:
+    run = run_reader.RunCheckpoint(path, step, log=log)
+  except MaxlmError as e:
+    raise MaxlmError(f"{where}: {e}") from None
+  there = run.model_cfg
+  diff = [f"model.{k} {getattr(there, k)} there, {getattr(cfg, k)} here" for k in _MODEL_KEYS
+          if getattr(there, k) != getattr(cfg, k)]
+  if diff:
+    raise MaxlmError(f"{where} is another model than this config's: {'; '.join(diff)}. Set "
+                     "those model keys (model.vocab_size for the vocabulary)")
+  tokenizer = None
+  manifest = io.join(run.config.data.dir, "manifest.json")
+  if io.exists(manifest):
+    name = json.loads(io.read_bytes(manifest)).get("tokenizer")
+    tokenizer = io.read_bytes(io.join(run.config.data.dir, name)) if name else None
+  record = {"from": f"{path}@{run.step}", "kind": "maxlm", "path": _absolute(path),
+            "step": run.step, "global_step": int(run.meta.get("global_step", run.step))}
+  return Source(run.get, run.names(), record, tokenizer)
+
+
+def _from_hf(path, cfg, where, log):
+  folder = HfFolder(path)
+  for note in hf_config.check_llama(folder.hf, cfg, where):
+    log(f"note: {where}: {note}")
+  shapes = layout.hf_shapes(cfg)
+  missing = [n for n in shapes if n not in folder.files]
+  if missing:
+    raise MaxlmError(f"{where}: {len(missing)} tensors missing, e.g. {missing[0]}")
+  tok = os.path.join(path, "tokenizer.model")
+  tokenizer = open(tok, "rb").read() if os.path.exists(tok) else None
+  with open(os.path.join(path, "config.json"), "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()[:16]
+  record = {"from": path, "kind": "hf", "path": _absolute(path), "config_sha256": digest}
+  return Source(_checked(folder.get, shapes, where), list(shapes), record, tokenizer)
+
+
+def _checked(get, shapes, where):
+  def read(name):
+    array = get(name)
+    if tuple(array.shape) != tuple(shapes[name]):
+      raise MaxlmError(f"{where}: tensor {name} has shape {list(array.shape)}, this model "
+                       f"needs {list(shapes[name])}")
+    return array
+  return read
+
+
+def _check_tokenizer(theirs, ours, where, log):
+  if theirs is None or ours is None:
+    log(f"note: {where}: tokenizer not compared (not found on both sides): make sure this "
+        "data dir was prepared with the source's tokenizer")
+  elif hashlib.sha256(theirs).digest() != hashlib.sha256(ours).digest():
+    raise MaxlmError(f"{where}: its tokenizer differs from this data dir's, so token ids "
+                     "would mean other pieces: prepare the data with --tokenizer and the "
+                     "source's tokenizer.model")
+
+
+def _absolute(path):
+  return os.path.abspath(path) if io.is_local(path) else path
+
+
+def params(source, cfg, params_like, put=lambda path, array: array):
+  """A tree shaped like `params_like` (the parameters of ModelConfig `cfg`, vocab resolved),
+  read from the source one parameter at a time; `put(path, array)` places each as it is read
+  (the identity: host arrays)."""
+  by_path = {leaf.path: leaf for leaf in layout.leaves(cfg)}
+
+  def one(path, like):
+    keys = tuple(getattr(k, "key", k) for k in path)
+    leaf = by_path[keys]
+    if leaf.per_layer:
+      array = np.stack([leaf.from_hf(lambda n, i=i: source.get(layout.hf_layer_name(i, n)))
+                        for i in range(leaf.shape[0])])
+    else:
+      array = leaf.from_hf(source.get)
+    assert array.shape == tuple(like.shape), (leaf.path, array.shape, like.shape)
+    return put(keys, array)
+  return jax.tree_util.tree_map_with_path(one, params_like)
+
+
+def start(config, data, vocab, found, log):
+  """(source or None, record or None) for a run about to train: the checked init.from source
+  when the run starts fresh; when it resumes (`found`: resume.resume's result), none, and the
+  record its checkpoint carries."""
+  if found is not None:
+    step_no, meta = found[2], found[1]
+    if config.init.from_:
+      log(f"init.from {config.init.from_} not used: run_dir holds checkpoint {step_no}, "
+          "which wins (this is a resume)")
+    return None, meta.get("init_from")
+  if not config.init.from_:
+    return None, None
+  name = data.manifest.get("tokenizer")
+  ours = io.read_bytes(io.join(config.data.dir, name)) if name else None
+  source = open_source(config, vocab, ours, log)
+  return source, source.record
+
+
+def into_state(source, state, model, opt, mesh, shardings, log):
+  """The fresh train state with its parameters (and the optimizer state made from them)
+  replaced by the source's. Each parameter goes to its sharding as soon as it is read (every
+  process reads it and keeps its own shards), so a host holds one parameter at a time."""
+  where = {tuple(getattr(k, "key", k) for k in p): s
+           for p, s in jax.tree_util.tree_leaves_with_path(shardings["params"])}
+
+  def put(keys, array):
+    return jax.make_array_from_callback(array.shape, where[keys], lambda index: array[index])
+  placed = params(source, model.cfg, jax.eval_shape(lambda: state["params"]), put)
+  with mesh:
+    opt_state = jax.jit(opt.init)(placed)
+  log(f"parameters from init.from {source.record['from']} ({source.record['kind']})")
+  return {**state, "params": placed, "opt_state": opt_state}
