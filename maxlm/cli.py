@@ -149,6 +149,20 @@ def _parser():
   p.add_argument("--json", action="store_true",
                  help="print {step, stage, split, sources: {name: {rows, tokens, bytes, loss, "
                       "bpb}}, all: {...}} as JSON, not a table")
+
+  p = sub.add_parser("trace", help="a step's loss per document, replayed exactly from a "
+                     "checkpoint; or the loss spikes training flagged")
+  p.add_argument("run_dir", help="a run's folder (its config.yaml, checkpoints, metrics.jsonl)")
+  what = p.add_mutually_exclusive_group(required=True)
+  what.add_argument("--step", type=int, metavar="K",
+                    help="global step K as metrics.jsonl numbers it (0-based, across stages)")
+  what.add_argument("--spikes", action="store_true",
+                    help="list the steps flagged as loss spikes (train.spike_window, "
+                         "train.spike_sigmas)")
+  p.add_argument("--top", type=int, default=20, help="document pieces shown, worst first")
+  p.add_argument("--json", action="store_true",
+                 help="print {step, loss, documents: [{source, doc_id, start, end, "
+                      "loss_tokens, loss, ...}], rows, ...} (or {spikes: [...]}) as JSON")
   p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
@@ -324,6 +338,18 @@ def cmd_generate(args):
   from maxlm import io
   from maxlm.data import tokenizer
   from maxlm.eval import generate, run
+def cmd_trace(args):
+  from maxlm.eval import trace
+  if args.spikes:
+    found = trace.spike_list(args.run_dir)
+    print(json.dumps({"spikes": found}) if args.json else trace.format_spikes(found))
+    return
+  if args.top < 0:
+    raise MaxlmError(f"--top must be >= 0, got {args.top}")
+  result = trace.trace(args.run_dir, args.step, log=lambda m: print(m, file=sys.stderr))
+  print(json.dumps(result) if args.json else trace.format_trace(result, args.top))
+
+
   if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
     raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
   config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
@@ -373,7 +399,7 @@ COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "ledger": cmd_ledger,
             "batches": cmd_batches,
             "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
-            "verify-restart": cmd_verify_restart, "eval": cmd_eval,
+            "verify-restart": cmd_verify_restart, "eval": cmd_eval, "trace": cmd_trace,
             "generate": cmd_generate, "export": cmd_export,
             "sweep": cmd_sweep, "demo": cmd_demo}
 
@@ -401,7 +427,8 @@ def main(argv=None):
 _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still exits at once,
     # since a KeyboardInterrupt inside a C extension's import can crash the interpreter later
     "train": ("maxlm.train.loop",), "verify-restart": ("maxlm.train.loop",),
-    "eval": ("maxlm.eval.run",), "generate": ("maxlm.eval.run", "maxlm.eval.generate"),
+    "eval": ("maxlm.eval.run",), "trace": ("maxlm.eval.trace",),
+    "generate": ("maxlm.eval.run", "maxlm.eval.generate"),
     "demo": ("maxlm.demo",), "prepare": ("maxlm.data.prepare",),
     "ledger": ("maxlm.data.loader",), "batches": ("maxlm.data.loader",),
     "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",),
