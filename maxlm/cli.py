@@ -142,10 +142,6 @@ def _parser():
                  help="held-out documents, or training ones for comparison")
   p.add_argument("--rows", type=int, default=None,
                  help="rows to evaluate (default: the run's train.eval_rows)")
-
-  p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
-  p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
-  p.add_argument("--prompt", required=True, help="the text to continue")
   p.add_argument("--json", action="store_true",
                  help="print {step, stage, split, sources: {name: {rows, tokens, bytes, loss, "
                       "bpb}}, all: {...}} as JSON, not a table")
@@ -163,6 +159,10 @@ def _parser():
   p.add_argument("--json", action="store_true",
                  help="print {step, loss, documents: [{source, doc_id, start, end, "
                       "loss_tokens, loss, ...}], rows, ...} (or {spikes: [...]}) as JSON")
+
+  p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
+  p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
+  p.add_argument("--prompt", required=True, help="the text to continue")
   p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
@@ -334,10 +334,6 @@ def cmd_eval(args):
           f"{e['bpb']:>11.4f}")
 
 
-def cmd_generate(args):
-  from maxlm import io
-  from maxlm.data import tokenizer
-  from maxlm.eval import generate, run
 def cmd_trace(args):
   from maxlm.eval import trace
   if args.spikes:
@@ -350,6 +346,10 @@ def cmd_trace(args):
   print(json.dumps(result) if args.json else trace.format_trace(result, args.top))
 
 
+def cmd_generate(args):
+  from maxlm import io
+  from maxlm.data import tokenizer
+  from maxlm.eval import generate, run
   if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
     raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
   config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
