@@ -6,7 +6,6 @@ Every parameter and key activation carries logical axis names (see `model.transf
 
 import dataclasses
 import math
-import os
 
 import jax
 import numpy as np
@@ -14,29 +13,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxlm import MaxlmError
 from maxlm.config import MESH_AXES
+from maxlm.parallel import distributed
 
 
 def initialize_distributed(enabled, env=None):
-  """Joins the multi-host job when `distributed: true`. MAXLM_COORDINATOR (host:port),
-  MAXLM_NUM_PROCESSES and MAXLM_PROCESS_ID, as launch/slurm.sbatch sets them, name the job
-  explicitly; without them JAX finds it itself (Cloud TPU, SLURM)."""
-  env = os.environ if env is None else env
-  if not enabled or jax.distributed.is_initialized():
-    return
-  names = ("MAXLM_COORDINATOR", "MAXLM_NUM_PROCESSES", "MAXLM_PROCESS_ID")
-  given = [n for n in names if env.get(n)]
-  if not given:
-    jax.distributed.initialize()
-    return
-  if len(given) < len(names):
-    missing = ", ".join(n for n in names if n not in given)
-    raise MaxlmError(f"distributed: {', '.join(given)} set but {missing} missing; set all three")
-  try:
-    count, index = int(env["MAXLM_NUM_PROCESSES"]), int(env["MAXLM_PROCESS_ID"])
-  except ValueError:
-    raise MaxlmError("distributed: MAXLM_NUM_PROCESSES and MAXLM_PROCESS_ID must be integers")
-  jax.distributed.initialize(coordinator_address=env["MAXLM_COORDINATOR"],
-                             num_processes=count, process_id=index)
+  """Joins the multi-host job when `distributed: true` (`maxlm.parallel.distributed`)."""
+  distributed.initialize(enabled, env)
 
 
 def mesh_shape(mesh_config, n_devices):

@@ -30,6 +30,7 @@ import uuid
 import tensorstore as ts
 
 from maxlm import MaxlmError, io
+from maxlm.parallel import distributed
 
 NAME = "lease.json"
 _MISSING = b"\x02"  # the generation TensorStore reports for a key with no value
@@ -183,6 +184,12 @@ class Lease:
 
 
 def acquire(run_dir, primary, force=False):
-  """The run_dir's lease for process 0 (an inert one for the others)."""
+  """The run_dir's lease for process 0 (an inert one for the others). In a multi-process job
+  the others wait for process 0's verdict, and stop with its one line when it was refused
+  (rather than wait in the first collective for a process 0 that has left)."""
   lease = Lease(run_dir)
-  return lease.acquire(force) if primary else lease
+  if primary:
+    distributed.agree("lease", lambda: lease.acquire(force))
+  else:
+    distributed.agree("lease", None)
+  return lease

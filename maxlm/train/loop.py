@@ -7,9 +7,7 @@ run killed at any moment and restarted continues bit for bit on the same mesh.
 """
 
 import contextlib
-import hashlib
 import os
-import signal
 import time
 import typing
 
@@ -22,38 +20,11 @@ from maxlm.data import ledger, loader, plan
 from maxlm.eval import bpb
 from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
-from maxlm.parallel import mesh as mesh_lib
+from maxlm.parallel import distributed, mesh as mesh_lib, preemption, watchdog
 from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
                          rundir, spikes, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
-
-
-class Preemption:
-  """SIGTERM / SIGINT set a flag; the loop saves a checkpoint and exits 0."""
-
-  def __init__(self):
-    self.signal = None
-    self._old = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread
-        pass
-
-  def _handle(self, signum, _):
-    self.signal = signal.Signals(signum).name
-
-  def restore(self):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-
-
-def fingerprint(batch):
-  h = hashlib.sha256()
-  for name in sorted(batch):
-    h.update(np.ascontiguousarray(batch[name]).tobytes())
-  return h.hexdigest()[:16]
 
 
 def validate(config):
@@ -152,6 +123,11 @@ def train(config, *, stop_after=None, force=False, log=print):
   take the run_dir's lease over from a holder known to be dead."""
   log = log if isinstance(log, console.Console) else console.Console(log)
   mesh_lib.initialize_distributed(config.distributed)
+  with watchdog.watched():  # a lost peer ends this process in bounded time, with one line
+    return _train(config, stop_after, force, log)
+
+
+def _train(config, stop_after, force, log):
   with log.phase(f"opening {config.data.dir} and checking the config against it"):
     data, vocab = validate(config)
   run_dir = rundir.RunDir(config.run_dir)
@@ -181,7 +157,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
   offsets = np.cumsum([0] + [st.num_steps for st in config.stages])
   total = int(offsets[-1])
   peak = measure_peak_flops()
-  preempt = Preemption()
+  preempt = preemption.Preemption()
   state, stage0, k0, consumed, it_start, resumed = None, 0, 0, {}, None, None
   spike_state = None
   ran, summary, first_row = 0, {"resumed_from": None}, {}
@@ -235,7 +211,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         flops = build.flops_per_token(model.cfg, stage.seq_len,
                                       build.mean_attended(batch["segment_ids"]))
         row = {"stage": s, "stage_step": k, **m, "tokens_per_s": real / dt,
-               "mfu": flops * real / dt / peak, "fingerprint": fingerprint(batch),
+               "mfu": flops * real / dt / peak, "fingerprint": distributed.fingerprint(batch, g),
                **_loss_tokens(data, s, k, consumed), **first_row}
         first_row = {}
         spike = detector.observe(s, m["loss"])
@@ -255,14 +231,14 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         ran += 1
         _progress(log, eta, s, k, steps, g, total, m, row)
         last = k == steps - 1
-        stop = preempt.signal or (stop_after is not None and ran >= stop_after)
+        stop = preempt.stop_at(g + 1) or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
           resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start,
                       detector.state(), init_from)
           run_dir.push()
         if stop:
           ckpts.wait()
-          log(f"stopped after step {g + 1} ({preempt.signal or 'stop_after'}); "
+          log(f"stopped after step {g + 1} ({preempt.reason() or 'stop_after'}); "
               f"checkpoint {g + 1} saved: rerun the same command to resume")
           return {**summary, "stopped": True, "step": g + 1}
       k0, it_start, resumed = 0, None, None
@@ -303,8 +279,8 @@ def _loss_tokens(data, s, k, consumed):
 def _evaluate(nll_fn, state, data, stage, mesh, config):
   def nll(batch):
     with mesh:
-      return jax.device_get(nll_fn(state["params"], mesh_lib.place_batch(batch, mesh,
-                                                                          config.rules)))
+      return distributed.gather_rows(nll_fn(state["params"], mesh_lib.place_batch(
+          distributed.host_rows(batch), mesh, config.rules)))
   return bpb.evaluate(nll, data, stage.seq_len, stage.batch, config.train.eval_rows)
 
 
