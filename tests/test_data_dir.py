@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from maxlm import MaxlmError, io
-from maxlm.data import loader, prepare, store, tokenizer
+from maxlm.data import index_files, loader, prepare, store, tokenizer
 
 import datagen
 from datagen import QUALITY_OFF
@@ -51,7 +51,7 @@ def test_failed_overwrite_leaves_the_old_data_dir_intact(tmp_path, tok, monkeypa
 
   def fail(self):  # the token shards are written by now; the index is not
     raise OSError("disk full")
-  monkeypatch.setattr(store.DocIndex, "to_bytes", fail)
+  monkeypatch.setattr(store.DocIndex, "arrays", fail)
   with pytest.raises(OSError, match="disk full"):
     run([new], out, tok, overwrite=True)
   assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -131,8 +131,8 @@ def test_open_refuses_files_that_do_not_match_the_manifest(tmp_path, root):
                                        "expected 548"):
     open_data(root)
   io.write_bytes(shard, good)
-  io.delete(io.join(root, "doc_ids.json"))
-  with pytest.raises(MaxlmError, match=r"doc_ids.json is missing, expected \d+ bytes"):
+  io.delete(io.join(root, "doc_ids.bin"))
+  with pytest.raises(MaxlmError, match=r"doc_ids.bin is missing, expected \d+ bytes"):
     open_data(root)
   io.delete(io.join(root, "manifest.json"))
   with pytest.raises(MaxlmError, match="has no manifest.json.*--overwrite"):
@@ -163,11 +163,12 @@ def test_object_store_overwrite_replaces_files_and_a_failure_is_refused(tmp_path
   with pytest.raises(MaxlmError, match="already holds files"):
     run([src], out, tok)
   one = run([write_corpus(tmp_path / "b.jsonl", "new")], out, tok, overwrite=True)
-  assert sorted(one["files"]) == ["doc_ids.json", "index.npz", "tokenizer.model",
-                                  "tokens-00000.bin"]
+  assert sorted(one["files"]) == sorted(
+      ["doc_ids.bin", "index.json", "tokenizer.model", "tokens-00000.bin"]
+      + [index_files.file_name(f) for f in index_files.FIELDS + (index_files.ID_PTR,)])
   assert not io.exists(io.join(out, "tokens-00002.bin"))
   assert open_data(out).manifest == one
-  monkeypatch.setattr(store.DocIndex, "to_bytes", lambda self: 1 / 0)
+  monkeypatch.setattr(store.DocIndex, "arrays", lambda self: 1 / 0)
   with pytest.raises(ZeroDivisionError):
     run([src], out, tok, overwrite=True)
   with pytest.raises(MaxlmError, match="has no manifest.json"):
@@ -188,7 +189,8 @@ def test_check_data_finds_a_same_size_change_the_open_check_cannot(tmp_path):
   datagen.write_data_dir(root, datagen.make_docs([40, 7, 90], seed=1))
   maxlm = [sys.executable, "-m", "maxlm.cli", "check-data", root]
   ok = subprocess.run(maxlm, capture_output=True, text=True)
-  assert ok.returncode == 0 and "all 3 files match manifest.json" in ok.stdout, ok.stderr
+  n = len(json.loads((tmp_path / "d" / "manifest.json").read_text())["files"])
+  assert ok.returncode == 0 and f"all {n} files match manifest.json" in ok.stdout, ok.stderr
   shard = tmp_path / "d" / "tokens-00000.bin"
   data = bytearray(shard.read_bytes())
   data[100] ^= 0xFF
@@ -196,7 +198,7 @@ def test_check_data_finds_a_same_size_change_the_open_check_cannot(tmp_path):
   open_data(root)  # the cheap check at open passes: same size
   bad = subprocess.run(maxlm, capture_output=True, text=True)
   assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-  assert "1 of 3 files differ from their SHA-256 in manifest.json (tokens-00000.bin)" in bad.stderr
+  assert f"1 of {n} files differ from their SHA-256 in manifest.json (tokens-00000.bin)" in bad.stderr
 
 
 def test_prepare_from_the_command_line_prints_no_traceback(tmp_path, tok):

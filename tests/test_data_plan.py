@@ -29,7 +29,8 @@ def coverage(planner, blocks):
 def expected_coverage(pool, doc):
   """Full epochs so far, plus one if the current epoch's cursor has passed the document."""
   done = max(pool.epoch, 0)
-  current = doc in set(pool.perm[:pool.cursor].tolist()) if pool.epoch >= 0 else False
+  current = (doc in set(pool.epoch_docs(pool.epoch, np.arange(pool.cursor)).tolist())
+             if pool.epoch >= 0 else False)
   return done + int(current)
 
 

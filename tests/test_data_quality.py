@@ -151,7 +151,7 @@ def test_no_validation_document_near_duplicates_a_training_one(planted):
   root, _, _, truth = planted
   manifest, removed = run(planted, 2, "split")
   index = store.load_index(str(root / "split"))
-  ids = json.loads((root / "split" / "doc_ids.json").read_text())
+  ids = list(store.load_doc_ids(str(root / "split")))
   split = dict(zip(ids, index.split.tolist()))
   pairs = [(f"base-{c.split('-')[1]}", c) for c, j in truth["near"] if j >= 0.85]
   across = [(a, c) for a, c in pairs if a in split and prepare.heldout("mirror", c, 0.2) !=

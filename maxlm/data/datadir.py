@@ -34,7 +34,7 @@ from maxlm import MaxlmError, io
 MANIFEST = "manifest.json"
 _PROBE = ".maxlm-write-probe"
 _OURS = re.compile(r"tokens-\d{5}\.bin|index\.npz|doc_ids\.json|tokenizer\.model|manifest\.json|"
-                   + re.escape(_PROBE))
+                   r"index\.json|index-\w+\.npy|doc_ids\.bin|" + re.escape(_PROBE))
 _RERUN = "re-run maxlm prepare INPUT... --out {} --overwrite"
 
 

@@ -39,12 +39,21 @@ def chat_masked_targets(index, doc, start, end, ctx, eos):
   return masked
 
 
+def _first_seen(seen, doc, pool, n_src):
+  """Per pool, how many of `doc` are not yet marked in the bitmap `seen`; marks them."""
+  doc, first = np.unique(doc.astype(np.int64), return_index=True)
+  byte, bit = doc >> 3, (1 << (doc & 7)).astype(np.uint8)
+  new = (seen[byte] & bit) == 0
+  np.bitwise_or.at(seen, byte[new], bit[new])
+  return np.bincount(pool[first[new]], minlength=n_src)
+
+
 def stage_ledger(planner, s):
   """{'rows', 'seq_len', 'positions', 'padding', 'sources': {name: {field: count}}}."""
   index = planner.index
   n_src = len(index.sources)
   sums = {f: np.zeros(n_src, np.int64) for f in FIELDS}
-  docs = [set() for _ in range(n_src)]
+  seen = np.zeros((len(index) + 7) // 8, np.uint8)  # a bit per document: 1/8 byte each
   for b in range(planner.num_blocks(s)):
     block = planner.block(s, b)
     counts = piece_counts(index, block)
@@ -52,16 +61,14 @@ def stage_ledger(planner, s):
     sums["pieces"] += np.bincount(pool, minlength=n_src)
     for field, values in counts.items():
       sums[field] += np.bincount(pool, weights=values, minlength=n_src).astype(np.int64)
-    for i in range(n_src):
-      docs[i].update(np.unique(block.doc[pool == i]).tolist())
+    sums["documents"] += _first_seen(seen, block.doc, pool, n_src)
   L = planner.config.stages[s].seq_len
   rows = planner.stage_rows(s)
   sources = {}
   for i, name in enumerate(index.sources):
     if not sums["pieces"][i]:
       continue
-    entry = {f: int(sums[f][i]) for f in FIELDS if f != "documents"}
-    entry["documents"] = len(docs[i])
+    entry = {f: int(sums[f][i]) for f in FIELDS}
     train = planner.pools[i].train_tokens
     entry["exposure"] = round(entry["body"] / train, 6) if train else 0.0
     sources[name] = entry

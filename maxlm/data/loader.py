@@ -75,7 +75,7 @@ class HostRows:
     self.batch = data.config.stages[s].batch
     self.per_host = data.rows_per_host(s, hosts)
     self.seq_len = data.config.stages[s].seq_len
-    data.planner.snapshot(s, 0)  # workers then plan from the stage start, not from stage 0
+    data.planner.warm(s)  # workers then plan from within the stage, not from stage 0
 
   def global_row(self, j):
     step, r = divmod(j, self.per_host)

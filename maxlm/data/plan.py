@@ -6,7 +6,8 @@ documents longer than L, and tie their state to worker count and per-host batch
 (docs/architecture.md).
 
 Per stage the planner
-  1. draws documents from one pool per source, each in a seeded permutation per epoch;
+  1. draws documents from one pool per source, each in a keyed permutation per epoch, computed
+     a window of positions at a time and never stored (`permute`);
   2. cuts documents that do not fit (see `chunk`), the overlap becoming the next piece's context;
   3. fills each row starting with the oldest piece of the source furthest below its token
      quota, then best-fits the rest from each source's lookahead window, in order of deficit,
@@ -14,7 +15,18 @@ Per stage the planner
   4. decides FIM per piece by hash (see `fim`);
   5. shuffles rows within windows of `data.shuffle_rows`.
 Stage s starts from the pool cursors where stage s-1 ended. Rows are planned in blocks of
-`data.block_rows`; the state at a block start (`Snapshot`) is small and picklable.
+`data.block_rows`; the state at a block start (`Snapshot`) is small (each pool's epoch, cursor
+and lookahead window) and picklable, and restoring one costs the same at any step and corpus
+size: a resume, or a Grain worker given the parent's planner, plans on from the nearest one.
+
+Memory does not grow with the corpus: a pool is a view of the index's memory-mapped
+`pool_docs` (its training documents, grouped by source at prepare time), and an epoch's order
+exists only for the CHUNK positions after the cursor. Positioning without a snapshot still
+plans every row before the target, at the planner's throughput (docs/performance.md).
+
+VERSION names the plan: the same (data, config, stage, step) gives the same batch only under
+the same version. v1 (before the memory-mapped index) drew numpy permutations; v2 draws `permute`'s.
+A checkpoint records its snapshot's version and resumes only under it (`check_resume`).
 """
 
 import bisect
@@ -24,8 +36,12 @@ import dataclasses
 
 import numpy as np
 
-from maxlm import MaxlmError
-from maxlm.data import chunk, fim, store
+from maxlm import MaxlmError, __version__
+from maxlm.data import chunk, fim, permute
+
+VERSION = 2
+CHUNK = 4096  # permutation positions evaluated at a time
+KEEP_SNAPSHOTS = 64  # recent block snapshots kept (and every KEEP_SNAPSHOTS-th one for good)
 
 # A piece: (pool, doc, start, end, ctx, fim_mode, positions).
 POOL, DOC, START, END, CTX, FIM, SIZE = range(7)
@@ -54,11 +70,14 @@ class Pool:
 
   def __init__(self, planner, index):
     self.p, self.index = planner, index
-    self.docs = np.flatnonzero((planner.index.source == index)
-                               & (planner.index.split == store.TRAIN)).astype(np.int32)
-    self.train_tokens = int(planner.index.length[self.docs].sum())
-    self.fim_ok = planner.fim_sources is None or planner.index.sources[index] in planner.fim_sources
-    self.epoch, self.cursor, self.perm = -1, 0, self.docs[:0]
+    self.docs = planner.index.pool(index)  # a view of the memory-mapped pool_docs
+    self.n = len(self.docs)
+    self.train_tokens = int(planner.index.pool_tokens[index])
+    self.name = planner.index.sources[index]
+    self.fim_ok = planner.fim_sources is None or self.name in planner.fim_sources
+    self.epoch, self.cursor = -1, 0
+    self._keys = (None, None)
+    self._chunk = (None, 0, [], [], [])  # epoch, first position, docs, lengths, FIM modes
     self.cut_queue = collections.deque()
     self.window = collections.OrderedDict()  # seq -> piece, in arrival order
     self.by_size = []  # sorted (positions, -seq)
@@ -68,18 +87,26 @@ class Pool:
     return (self.epoch, self.cursor, list(self.cut_queue), list(self.window.values()), self.seq)
 
   def restore(self, state):
-    self.epoch, cursor, cut_queue, window, self.seq = state
-    self._permute(self.epoch)
-    self.cursor, self.cut_queue = cursor, collections.deque(cut_queue)
+    self.epoch, self.cursor, cut_queue, window, self.seq = state
+    self.cut_queue = collections.deque(tuple(p) for p in cut_queue)
     self.window.clear()
     self.by_size.clear()
     for piece in window:
-      self._add(piece)
+      self._add(tuple(piece))
+
+  def epoch_docs(self, epoch, positions):
+    """The documents at `positions` of the pool's order in `epoch` (an int64 array)."""
+    if self._keys[0] != epoch:
+      self._keys = (epoch, permute.round_keys("pool", self.p.seed, self.name, epoch))
+    return self.docs[permute.permute(self.n, self._keys[1], positions)].astype(np.int64)
+
+  def _epoch_done(self):
+    return self.epoch < 0 or self.cursor >= self.n
 
   def fill(self):
     """Tops the window up; an epoch's last pieces leave it before the next epoch's enter."""
     while len(self.window) < self.p.lookahead:
-      if not self.cut_queue and self.cursor >= len(self.perm) and self.window:
+      if not self.cut_queue and self._epoch_done() and self.window:
         break
       self._add(self._next_piece())
 
@@ -124,32 +151,30 @@ class Pool:
     self.window[self.seq] = piece
     bisect.insort(self.by_size, (piece[SIZE], -self.seq))
 
-  def _permute(self, epoch):
-    if epoch < 0:
-      self.perm, self.perm_list = self.docs[:0], []
-      return
-    rng = np.random.default_rng([self.p.seed, self.index, epoch])
-    self.perm = rng.permutation(self.docs)
-    self.lengths = self.p.index.length[self.perm].astype(np.int64)
-    self.modes = fim.modes(self.p.seed, self.perm, 0, epoch, self.p.fim_rate, self.p.fim_spm)
+  def _load_chunk(self, i):
+    """Documents, lengths and FIM modes of positions [i, i + CHUNK) of the current epoch."""
+    docs = self.epoch_docs(self.epoch, np.arange(i, min(i + CHUNK, self.n)))
+    modes = fim.modes(self.p.seed, docs, 0, self.epoch, self.p.fim_rate, self.p.fim_spm)
     if not self.fim_ok:
-      self.modes[:] = fim.NONE
-    self.modes[self.p.index.is_chat[self.perm]] = fim.NONE
-    self.perm_list, self.length_list = self.perm.tolist(), self.lengths.tolist()
-    self.mode_list = self.modes.tolist()
+      modes[:] = fim.NONE
+    modes[self.p.index.is_chat[docs]] = fim.NONE
+    self._chunk = (self.epoch, i, docs.tolist(), self.p.index.length[docs].tolist(),
+                   modes.tolist())
 
   def _next_piece(self):
     if self.cut_queue:
       return self.cut_queue.popleft()
-    if self.cursor >= len(self.perm):
-      if not len(self.docs):
-        raise MaxlmError(f"source {self.p.index.sources[self.index]!r} has no training "
-                         "documents; drop it from the mix")
+    if self._epoch_done():
+      if not self.n:
+        raise MaxlmError(f"source {self.name!r} has no training documents; drop it from the mix")
       self.epoch, self.cursor = self.epoch + 1, 0
-      self._permute(self.epoch)
     i = self.cursor
     self.cursor += 1
-    doc, n, mode = self.perm_list[i], self.length_list[i], self.mode_list[i]
+    epoch, first, docs, lengths, modes = self._chunk
+    if epoch != self.epoch or not first <= i < first + len(docs):
+      self._load_chunk(i)
+      epoch, first, docs, lengths, modes = self._chunk
+    doc, n, mode = docs[i - first], lengths[i - first], modes[i - first]
     size = n + 1 + (chunk.FIM_MARKERS if mode else 0)  # BOS + body + EOS, minus one
     if size <= self.p.seq_len:
       return (self.index, doc, 0, n, 0, mode, size)
@@ -179,6 +204,17 @@ class Snapshot:
   pools: list
   taken: list  # body tokens per pool this stage
   largest: int  # largest piece body this stage
+  version: int = VERSION  # the plan it belongs to
+
+
+def check_resume(saved, step_no):
+  """A checkpoint's planner snapshot (its JSON, or None) must be of this plan's version."""
+  version = (saved or {}).get("version", 1)
+  if version != VERSION:
+    raise MaxlmError(f"checkpoint {step_no} was planned with data plan v{version}; this maxlm "
+                     f"({__version__}) plans v{VERSION}, and the same step would train on other "
+                     "batches: finish the run with the maxlm that started it, or start over "
+                     "in a new run_dir (docs/data.md)")
 
 
 class Planner:
@@ -194,7 +230,8 @@ class Planner:
     self.quotas = [self._quotas(s) for s in range(len(config.stages))]
     self.pools = [Pool(self, i) for i in range(len(index.sources))]
     self.seq_len = config.stages[0].seq_len
-    self._snapshots = {}
+    self._snapshots = {}  # kept for good: stage starts, seeded ones, every KEEP_SNAPSHOTS-th
+    self._recent = collections.OrderedDict()  # the latest KEEP_SNAPSHOTS block starts
     self._blocks = collections.OrderedDict()
     self._cache_blocks = cache_blocks
     self._state = None  # (stage, block) the live pools are at
@@ -228,29 +265,45 @@ class Planner:
 
   def seed_snapshot(self, snap):
     """Installs a snapshot (e.g. from a checkpoint) so planning resumes from it."""
+    if snap.version != VERSION:
+      raise MaxlmError(f"a snapshot of data plan v{snap.version} cannot seed plan v{VERSION}")
     self._snapshots[(snap.stage, snap.block)] = copy.deepcopy(snap)
+
+  def warm(self, s):
+    """Makes sure planning in stage s starts from within it (e.g. before Grain workers get a
+    copy of the planner): a no-op when a snapshot of stage s is known."""
+    if not any(k[0] == s for k in list(self._snapshots) + list(self._recent)):
+      self.snapshot(s, 0)
 
   def _goto(self, s, b):
     """Brings the live pools to the start of block b of stage s."""
     if self._state == (s, b):
       return
-    known = [k for k in self._snapshots if k <= (s, b)]
+    known = [k for k in list(self._snapshots) + list(self._recent) if k <= (s, b)]
     latest = max(known) if known else None
     if self._state is None or self._state > (s, b) or (latest and latest > self._state):
-      self._restore(self._snapshots[latest] if latest else None)
+      self._restore(self._snapshots.get(latest) or self._recent.get(latest) if latest else None)
     while self._state != (s, b):
       cs, cb = self._state
       if cb >= self.num_blocks(cs):
         self._begin_stage(cs + 1)
       else:
         self._keep(cs, cb, self._plan_block(cs, cb))
-    self._snapshots.setdefault((s, b), self._snapshot(s, b))
+    if (s, b) not in self._snapshots:
+      self._recent[(s, b)] = self._snapshot(s, b)
+      self._recent.move_to_end((s, b))
 
   def _keep(self, s, b, block):
     self._blocks[(s, b)] = block
     self._state = (s, b + 1)
     while len(self._blocks) > self._cache_blocks:
       self._blocks.popitem(last=False)
+    if (b + 1) % KEEP_SNAPSHOTS == 0:
+      self._snapshots.setdefault((s, b + 1), self._snapshot(s, b + 1))
+    elif (s, b + 1) not in self._snapshots:
+      self._recent[(s, b + 1)] = self._snapshot(s, b + 1)
+      while len(self._recent) > KEEP_SNAPSHOTS:
+        self._recent.popitem(last=False)
 
   def _restore(self, snap):
     if snap is None:
@@ -288,9 +341,7 @@ class Planner:
         raise MaxlmError(f"stages.{s} mix: unknown source {name!r}; the data has: "
                          f"{', '.join(names)}")
     if not mix:
-      train = self.index.split == store.TRAIN
-      mix = {n: float(self.index.length[(self.index.source == i) & train].sum())
-             for i, n in enumerate(names)}
+      mix = {n: float(self.index.pool_tokens[i]) for i, n in enumerate(names)}
     total = sum(mix.values())
     return np.array([mix.get(n, 0.0) / total for n in names])
 

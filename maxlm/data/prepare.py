@@ -12,7 +12,6 @@ are encoded separately, so the boundaries are exact token offsets.
 import collections
 import dataclasses
 import hashlib
-import json
 import multiprocessing
 import os
 import pathlib
@@ -24,7 +23,8 @@ import numpy as np
 import tqdm
 
 from maxlm import MaxlmError
-from maxlm.data import datadir, quality as quality_lib, sections, store, tokenizer, walk
+from maxlm.data import (datadir, index_files, quality as quality_lib, sections, store, tokenizer,
+                        walk)
 from maxlm.data.quality import engine as quality_engine, select
 from maxlm.data.documents import REASONS, Report, iter_documents, unique_ids  # noqa: F401
 
@@ -263,8 +263,7 @@ class DataDirWriter:
         nolos_start=_cat([x[:, 0] for x in self.no_loss], np.int32),
         nolos_end=_cat([x[:, 1] for x in self.no_loss], np.int32),
         sources=list(self.sources), lang_score=np.array(self.cols["lang_score"], np.float16))
-    self.staging.write("index.npz", index.to_bytes())
-    self.staging.write("doc_ids.json", json.dumps(self.doc_ids).encode())
+    index_files.write(self.staging, index.arrays(), index.sources, self.doc_ids)
     if model_proto is not None:
       self.staging.write("tokenizer.model", model_proto)
     return self.staging.commit(_manifest(index, report, special, vocab_size))

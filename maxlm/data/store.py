@@ -2,9 +2,11 @@
 
 Layout of a data dir (local or gs://):
   tokens-00000.bin ...  raw little-endian int32 token ids, documents back to back in shards
-  index.npz             per document: shard, offset, length, source, split, utf8 bytes; section
-                        boundaries and no-loss (chat prompt) intervals as CSR arrays
-  doc_ids.json          the document ids, verbatim
+  index-*.npy, index.json
+                        per document: shard, offset, length, source, split, utf8 bytes; section
+                        boundaries and no-loss (chat prompt) intervals as CSR arrays; the
+                        training documents grouped by source; memory-mapped (index_files.py)
+  doc_ids.bin           the document ids, verbatim, as a string table (index_files.DocIds)
   tokenizer.model       the SentencePiece model
   manifest.json         per-source and per-reject-reason counts, tokenizer facts, and `files`:
                         every other file's size and sha256, with their `fingerprint`; written
@@ -15,17 +17,20 @@ Why raw shards rather than ArrayRecord or zarr: any `[doc, start:end)` is one co
 range, so a local read is a memmap slice (~3 us, measured 200M tok/s) and a remote read is one
 ranged GET through TensorStore; zarr via TensorStore measured ~25 us per read (20M tok/s), too
 slow to beat in-memory packing, and ArrayRecord returns whole records.
+
+Data dirs from before the memory-mapped index (`index.npz` and `doc_ids.json`) still open: their
+index is read whole into memory, as it always was, which is fine at the sizes such dirs have;
+`maxlm prepare` writes the mapped format.
 """
 
 import dataclasses
-import functools
 import io as _io
 import json
 
 import numpy as np
 
 from maxlm import MaxlmError, io
-from maxlm.data import datadir
+from maxlm.data import datadir, index_files
 
 TRAIN, VAL = 0, 1
 SHARD_TOKENS = 1 << 26
@@ -61,9 +66,11 @@ class StoreWriter:
     self.shard, self.parts, self.filled = self.shard + 1, [], 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class DocIndex:
-  """Per-document arrays; `sources[source[i]]` names document i's pool."""
+  """Per-document arrays; `sources[source[i]]` names document i's pool. Opened from a data dir
+  (`load_index`), the arrays are read-only memory maps and the index pickles as its data dir's
+  name; built in memory (tests, old data dirs), the derived arrays are computed here."""
   shard: np.ndarray
   offset: np.ndarray
   length: np.ndarray
@@ -78,9 +85,41 @@ class DocIndex:
   nolos_end: np.ndarray
   sources: list
   lang_score: np.ndarray | None = None  # the language ID probability (NaN: not identified)
+  chat: np.ndarray | None = None  # is_chat
+  pool_docs: np.ndarray | None = None  # training documents grouped by source (index_files.py)
+  pool_ptr: np.ndarray | None = None
+  pool_tokens: np.ndarray | None = None
+  data_dir: str | None = None  # set when memory-mapped from a data dir
+
+  def __post_init__(self):
+    self.sources = [str(s) for s in self.sources]
+    if self.chat is None:
+      self.chat = np.diff(self.nolos_ptr) > 0
+    if self.pool_docs is None:
+      self.pool_docs, self.pool_ptr, self.pool_tokens = index_files.pools(
+          np.asarray(self.source), np.asarray(self.split), np.asarray(self.length),
+          len(self.sources), TRAIN)
 
   def __len__(self):
     return len(self.length)
+
+  def __getstate__(self):
+    if self.data_dir is not None:
+      return {"data_dir": self.data_dir}
+    return dict(self.__dict__)
+
+  def __setstate__(self, state):
+    if set(state) == {"data_dir"}:
+      state = vars(_mapped(state["data_dir"]))
+    self.__dict__.update(state)
+
+  @property
+  def is_chat(self):
+    return self.chat
+
+  def pool(self, source):
+    """Source `source`'s training documents, ascending (a view: no copy)."""
+    return self.pool_docs[self.pool_ptr[source]:self.pool_ptr[source + 1]]
 
   def bounds(self, doc):
     a, b = self.bound_ptr[doc], self.bound_ptr[doc + 1]
@@ -91,33 +130,40 @@ class DocIndex:
     a, b = self.nolos_ptr[doc], self.nolos_ptr[doc + 1]
     return list(zip(self.nolos_start[a:b].tolist(), self.nolos_end[a:b].tolist()))
 
-  @functools.cached_property
-  def is_chat(self):
-    return np.diff(self.nolos_ptr) > 0
-
-  def to_bytes(self):
-    buf = _io.BytesIO()
-    arrays = {k: v for k, v in dataclasses.asdict(self).items()
-              if k != "sources" and v is not None}
-    np.savez(buf, sources=np.array(self.sources, dtype=str), **arrays)
-    return buf.getvalue()
+  def arrays(self):
+    """{field: array} of everything index_files writes."""
+    return {f: getattr(self, f) for f in index_files.FIELDS}
 
   @classmethod
   def from_bytes(cls, data):
+    """An `index.npz` as written by maxlm prepare before the mapped format."""
     with np.load(_io.BytesIO(data)) as z:
       fields = {k: z[k] for k in z.files}
     fields["sources"] = [str(s) for s in fields["sources"]]
     return cls(**fields)
 
 
+def _mapped(data_dir):
+  meta = index_files.read_meta(data_dir)
+  return DocIndex(**index_files.open_arrays(data_dir), sources=meta["sources"],
+                  data_dir=str(data_dir))
+
+
 def _no_data(data_dir):
-  return MaxlmError(f"data.dir {data_dir!r} holds no prepared data (no index.npz); run "
+  return MaxlmError(f"data.dir {data_dir!r} holds no prepared data (no index.json); run "
                     f"`maxlm prepare INPUT... --out {data_dir}` first, or `maxlm demo` for "
                     "the demo's")
 
 
+def _old_format(data_dir):
+  return io.exists(io.join(data_dir, "index.npz"))
+
+
 def load_index(data_dir):
-  if not io.exists(io.join(data_dir, "index.npz")):
+  """The data dir's index: memory-mapped, or read whole from an older prepare's index.npz."""
+  if index_files.is_current(data_dir):
+    return _mapped(data_dir)
+  if not _old_format(data_dir):
     raise _no_data(data_dir)
   return DocIndex.from_bytes(io.read_bytes(io.join(data_dir, "index.npz")))
 
@@ -126,7 +172,7 @@ def load_manifest(data_dir):
   """The manifest, once the files it lists are all there with their sizes (cheap: no hashing)."""
   path = io.join(data_dir, datadir.MANIFEST)
   if not io.exists(path):
-    if not io.exists(io.join(data_dir, "index.npz")):
+    if not index_files.is_current(data_dir) and not _old_format(data_dir):
       raise _no_data(data_dir)
     raise MaxlmError(f"data.dir {data_dir!r} has no manifest.json, so its files may be from an "
                      f"unfinished maxlm prepare; re-run maxlm prepare INPUT... --out {data_dir} "
@@ -149,6 +195,9 @@ def fingerprint(manifest):
 
 
 def load_doc_ids(data_dir):
+  """The document ids, a sequence indexed by document (memory-mapped; a list for older dirs)."""
+  if index_files.is_current(data_dir):
+    return index_files.DocIds(data_dir)
   return json.loads(io.read_bytes(io.join(data_dir, "doc_ids.json")))
 
 

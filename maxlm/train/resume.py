@@ -5,7 +5,8 @@ Resuming, in order:
      not is named and skipped).
   2. Its parameter shapes must be this config's model (else: one line, and nothing written).
   3. Its data dir fingerprint must be this data dir's, unless `data.allow_changed: true` says
-     the change is intended (then it is logged, and recorded in the first metrics row).
+     the change is intended (then it is logged, and recorded in the first metrics row); its
+     planner snapshot must be of this maxlm's data plan version (plan.check_resume).
   4. Restore the train state into the stage's shardings and check every array against its
      checksum. A corrupt or unrestorable checkpoint sends us back to step 1 with the ones
      before it: the run continues bitwise as if that checkpoint had never been written.
@@ -83,9 +84,10 @@ def resume(ckpts, config, data, vocab, stage_parts, log, reader=False):
     changed = check_same_data(config, data, meta, step_no, log, reader)
     if not reader:
       skip.check_resume(config, meta["config"]["data"].get("skip_steps", ()), step_no)
+      plan.check_resume(meta.get("planner"), step_no)
     try:
       state = restore_state(ckpts, step_no, meta, config, vocab, stage_parts)
-      if meta.get("planner"):
+      if meta.get("planner") and meta["planner"].get("version") == plan.VERSION:
         data.planner.seed_snapshot(plan.Snapshot(**meta["planner"]))
       return state, meta, step_no, changed
     except integrity.CorruptCheckpoint as e:
