@@ -53,7 +53,8 @@ def ref_fn(q, k, v, seg):
 
 CASES = [("blockwise", {"block_q": 32, "block_k": 16}), ("blockwise", {"block_q": 64,
                                                                      "block_k": 64}),
-         ("splash", {"block_q": 128}), ("gpu", {"block_q": 64}), ("reference", {})]
+         ("splash", {"block_q": 128}), ("gpu", {"block_q": 64}), ("reference", {}),
+         ("splash_causal", {"block_q": 128}), ("gpu_mha", {"block_q": 64})]
 
 
 @pytest.mark.parametrize("impl, kw", CASES)

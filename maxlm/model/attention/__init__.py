@@ -4,13 +4,17 @@ q is [B, L, H, D], k and v are [B, L, K, D] with K dividing H, segment_ids is [B
 0 for padding; the result is [B, L, H, D]. Position i sees j iff j <= i and the segments are
 equal and non-zero; a padding row's output is 0. The 1/sqrt(D) scale is applied here.
 
-| impl      | where            | how                                                          |
-|-----------|------------------|--------------------------------------------------------------|
-| reference | tests            | dense masked einsum                                          |
-| blockwise | CPU, anywhere    | online softmax, custom VJP, skips masked blocks (`blockwise`) |
-| splash    | TPU              | Pallas splash attention (`kernels.splash`)                   |
-| gpu       | GPU              | Pallas-Triton `mha` with segment ids (`kernels.gpu`)         |
-| auto      |                  | splash on TPU, gpu on GPU, blockwise elsewhere               |
+| impl          | where         | how                                                            |
+|---------------|---------------|----------------------------------------------------------------|
+| reference     | tests         | dense masked einsum                                            |
+| blockwise     | CPU, anywhere | online softmax, custom VJP, skips masked blocks (`blockwise`)  |
+| splash        | TPU           | splash, mask info built from segment ids: skips blocks across  |
+|               |               | documents too (`splash_segments`)                              |
+| gpu           | GPU           | own Pallas-Triton kernel, per-block key ranges from segment    |
+|               |               | ids; max logit free (`triton_segments`)                        |
+| splash_causal | TPU           | splash skipping causal blocks only (`kernels.splash`; bench)   |
+| gpu_mha       | GPU           | jax's Pallas-Triton `mha`, no skipping (`kernels.gpu`; bench)  |
+| auto          |               | per stage, from `auto_rule` (documents per row and length)     |
 
 With a mesh whose `context` axis is larger than 1 the sequence is sharded (`context`).
 """
@@ -19,32 +23,35 @@ import jax
 import jax.numpy as jnp
 
 from maxlm import MaxlmError
-from maxlm.model.attention import blockwise, context, kernels, reference
+from maxlm.model.attention import (auto_rule, blockwise, context, kernels, reference,
+                                   splash_segments, triton_segments)
 
-IMPLS = ("auto", "reference", "blockwise", "splash", "gpu")
+IMPLS = ("auto", "reference", "blockwise", "splash", "gpu", "splash_causal", "gpu_mha")
 
 
-def resolve(impl, platform=None):
+def resolve(impl, platform=None, seq_len=None, docs_per_row=None):
+  """The implementation to run; `auto` follows `auto_rule.choose` for the stage's shape."""
   platform = platform or jax.default_backend()
   if impl == "auto":
-    return {"tpu": "splash", "gpu": "gpu"}.get(platform, "blockwise")
+    return auto_rule.choose(platform, seq_len, docs_per_row)
   if impl not in IMPLS:
     raise MaxlmError(f"attention impl {impl!r}: expected one of {', '.join(IMPLS)}")
-  if impl == "gpu" and platform not in ("gpu", "cpu"):
+  if impl in ("gpu", "gpu_mha") and platform not in ("gpu", "cpu"):
     raise MaxlmError(f"attention impl 'gpu' needs a GPU; this job runs on {platform} "
                      "(set stages.N.attention=auto)")
-  if impl == "splash" and platform not in ("tpu", "cpu"):
+  if impl in ("splash", "splash_causal") and platform not in ("tpu", "cpu"):
     raise MaxlmError(f"attention impl 'splash' needs a TPU; this job runs on {platform} "
                      "(set stages.N.attention=auto)")
   return impl
 
 
 def attention(q, k, v, segment_ids, *, impl="auto", block_q=512, block_k=512, mesh=None,
-              batch_axes=None, head_axes=None, max_logit=False):
+              batch_axes=None, head_axes=None, max_logit=False, docs_per_row=None):
   """Returns out [B, L, H, D], and with max_logit=True also the largest visible logit."""
   if q.shape[2] % k.shape[2]:
     raise MaxlmError(f"attention: {k.shape[2]} KV heads do not divide {q.shape[2]} heads")
-  impl = resolve(impl)
+  impl = resolve(impl, seq_len=q.shape[1], docs_per_row=docs_per_row)
+  interpret = jax.default_backend() == "cpu"
   if mesh is not None and mesh.shape.get("context", 1) > 1:
     out, peak = context.attention(q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes,
                                   head_axes=head_axes, block_q=block_q, block_k=block_k)
@@ -53,11 +60,16 @@ def attention(q, k, v, segment_ids, *, impl="auto", block_q=512, block_k=512, me
   elif impl == "blockwise":
     out, peak = blockwise.attention(q, k, v, segment_ids, segment_ids, block_q=block_q,
                                     block_k=block_k)
+  elif impl == "gpu":
+    out, peak = triton_segments.gpu(q, k, v, segment_ids, block=min(block_q, 128),
+                                    interpret=interpret)
   else:
-    interpret = jax.default_backend() == "cpu"
-    kernel = kernels.splash if impl == "splash" else kernels.gpu
-    block = block_q if impl == "splash" else min(block_q, 128)
-    out = kernel(q, k, v, segment_ids, block=block, interpret=interpret)
+    if impl == "splash":
+      out = splash_segments.splash(q, k, v, segment_ids, block=block_q, interpret=interpret)
+    elif impl == "splash_causal":
+      out = kernels.splash(q, k, v, segment_ids, block=block_q, interpret=interpret)
+    else:
+      out = kernels.gpu(q, k, v, segment_ids, block=min(block_q, 128), interpret=interpret)
     peak = None
     if max_logit:  # the kernels do not report it; one forward pass without gradients does
       peak = jax.lax.stop_gradient(blockwise.attention(

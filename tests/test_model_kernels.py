@@ -1,0 +1,123 @@
+"""The segment-skipping kernels in Pallas interpret mode: equal to `reference` (outputs and
+gradients, f32), and the tiles they compute counted inside the kernels (a counting causal rule
+passed as the kernels' mask function) equal to the brute-force count of tiles holding a
+visible pair."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm.model.attention import attention, reference, splash_segments, triton_segments
+
+
+def packings(length, rng):
+  """Four rows: one document then padding, many tiny documents, documents of random lengths
+  crossing tile boundaries (padding last), all padding."""
+  seg = np.zeros((4, length), np.int32)
+  seg[0, :length - 37] = 1
+  seg[1] = np.arange(length) // 7 + 1
+  pos, s = 0, 1
+  while pos < length - 20:
+    n = int(rng.integers(1, 160))
+    seg[2, pos:pos + n] = s
+    pos, s = pos + n, s + 1
+  return seg
+
+
+def inputs(length, heads, kv_heads, dim, seed=0):
+  rng = np.random.default_rng(seed)
+  seg = packings(length, rng)
+  shape = lambda h: (seg.shape[0], length, h, dim)
+  q, k, v = (jnp.asarray(rng.normal(size=shape(h)), jnp.float32)
+             for h in (heads, kv_heads, kv_heads))
+  w = jnp.asarray(rng.normal(size=shape(heads)), jnp.float32)
+  return q, k, v, jnp.asarray(seg), w
+
+
+def brute_force_tiles(seg, bq, bk):
+  """Tiles (query block, key block) with at least one visible pair, summed over rows."""
+  pad = -seg.shape[1] % max(bq, bk)
+  seg = jnp.pad(seg, [(0, 0), (0, pad)])
+  vis = np.asarray(reference.visible(seg, seg))
+  b, length = seg.shape
+  return int(vis.reshape(b, length // bq, bq, length // bk, bk).any(axis=(2, 4)).sum())
+
+
+class Counter:
+  """A causal mask function that counts, from inside the kernel, each tile it masks."""
+
+  def __init__(self):
+    self.n = 0
+
+  def _add(self):
+    self.n += 1
+
+  def __call__(self, q_pos, k_pos):
+    jax.debug.callback(self._add)
+    return q_pos >= k_pos
+
+
+def check(fn, q, k, v, seg, w, tol=2e-5):
+  ref = lambda q, k, v: reference.attention(q, k, v, seg, seg)[0]
+  loss = lambda f: lambda q, k, v: (f(q, k, v) * w).sum()
+  want, got = ref(q, k, v), fn(q, k, v)
+  scale = lambda x: max(1.0, float(jnp.abs(x).max()))
+  assert float(jnp.abs(got - want).max()) <= tol * scale(want)
+  assert not np.asarray(got[3]).any(), "an all-padding row's output is 0"
+  want_g = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
+  got_g = jax.grad(loss(fn), (0, 1, 2))(q, k, v)
+  for g, wg in zip(got_g, want_g):
+    assert float(jnp.abs(g - wg).max()) <= 4 * tol * scale(wg)
+
+
+def test_splash_skips_exactly_the_invisible_tiles():
+  q, k, v, seg, w = inputs(384, heads=2, kv_heads=1, dim=32)
+  counter = Counter()
+  fn = lambda q, k, v: splash_segments.splash(q, k, v, seg, block=128, interpret=True,
+                                              mask_function=counter)
+  tiles = brute_force_tiles(seg, 128, 128)
+  assert tiles < 4 * 6, "the packings leave tiles to skip (24 causal tiles)"
+  assert splash_segments.block_count(seg, 128, 128) == tiles
+  jax.block_until_ready(fn(q, k, v))
+  assert counter.n == 2 * tiles  # forward: every head once
+  check(fn, q, k, v, seg, w)
+  counter.n = 0
+  jax.block_until_ready(jax.grad(lambda q, k, v: (fn(q, k, v) * w).sum(), (0, 1, 2))(q, k, v))
+  assert counter.n == 3 * 2 * tiles  # forward, dQ and dK/dV kernels
+
+
+@pytest.mark.parametrize("length, dim, block", [(256, 32, 32), (250, 24, 64)])
+def test_triton_visits_only_each_blocks_key_range(length, dim, block):
+  q, k, v, seg, w = inputs(length, heads=4, kv_heads=2, dim=dim, seed=length)
+  counter = Counter()
+  fn = lambda q, k, v: triton_segments.gpu(q, k, v, seg, block=block, interpret=True,
+                                           mask_function=counter)[0]
+  padded = jnp.pad(seg, [(0, 0), (0, -length % block)])
+  tiles = brute_force_tiles(seg, block, block)
+  assert triton_segments.block_count(padded, block, block) == tiles
+  jax.block_until_ready(fn(q, k, v))
+  assert counter.n == 4 * tiles
+  check(fn, q, k, v, seg, w)
+  counter.n = 0
+  jax.block_until_ready(jax.grad(lambda q, k, v: (fn(q, k, v) * w).sum(), (0, 1, 2))(q, k, v))
+  assert counter.n == 3 * 4 * tiles
+
+
+def test_triton_reports_the_max_logit_from_inside_the_kernel():
+  q, k, v, seg, _ = inputs(128, heads=2, kv_heads=1, dim=16)
+  _, peak = attention(q, k, v, seg, impl="gpu", block_q=32, max_logit=True)
+  _, want = reference.attention(q, k, v, seg, seg)
+  assert np.isclose(float(peak), float(want), rtol=1e-5)
+
+
+def test_ranges_stay_correct_on_unsorted_segments():
+  """Segments that restart and padding in the middle: the ranges are a superset, still exact."""
+  rng = np.random.default_rng(3)
+  seg = jnp.asarray(rng.integers(0, 4, size=(2, 128)), jnp.int32)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 128, 2, 16)), jnp.float32) for _ in range(3))
+  want = reference.attention(q, k, v, seg, seg)[0]
+  got = triton_segments.gpu(q, k, v, seg, block=32, interpret=True)[0]
+  assert float(jnp.abs(got - want).max()) < 1e-5
+  assert triton_segments.block_count(seg, 32, 32) >= brute_force_tiles(seg, 32, 32)
+  assert splash_segments.block_count(seg, 32, 32) >= brute_force_tiles(seg, 32, 32)
