@@ -59,6 +59,10 @@ def _parser():
   p.add_argument("--vocab-size", type=int, default=8192,
                  help="tokenizer vocabulary to train (ignored with --tokenizer)")
   p.add_argument("--tokenizer", help="an existing SentencePiece .model to use instead")
+  p.add_argument("--as-text", action="append", default=[], metavar="GLOB",
+                 help="also read files matching GLOB (name or end of path: 'LICENSE*', "
+                      "'*.1', 'licenses/*', '*') as plain text, files prepare would skip; "
+                      "repeatable (docs/data.md)")
   p.add_argument("--val-fraction", type=float, default=0.01,
                  help="share of each source's documents held out for validation, in [0, 1)")
   p.add_argument("--workers", type=int, default=None,

@@ -22,7 +22,7 @@ def cmd_prepare(args):
                              args.val_fraction, args.workers, overwrite=args.overwrite,
                              verbose=args.verbose, quality=quality, rejected=args.rejected,
                              engine=args.engine, tasks=args.tasks,
-                             inspect_dir=args.inspect_dir)
+                             inspect_dir=args.inspect_dir, as_text=args.as_text)
   _print_manifest(manifest, args.out, args.verbose)
   _show_funnel(manifest, args.funnel_png)
 
@@ -107,6 +107,7 @@ def _print_manifest(manifest, out, verbose=False):
   skipped = {k: v for k, v in manifest["skipped"].items() if v}
   print(f"  rejected: {rejected or 'none'}; skipped: {skipped or 'none'}; "
         f"skipped files: {manifest['skipped_files'] or 'none'}")
+  _print_skipped_files(manifest, verbose)
   if manifest["renamed_ids"]:
     print(f"  renamed duplicate ids: {manifest['renamed_ids']} "
           f"(e.g. {manifest['renamed_id_examples'][0]})")
@@ -120,6 +121,19 @@ def _print_manifest(manifest, out, verbose=False):
   elif rejected or skipped:
     print("  (examples in manifest.json; --verbose lists them all)")
   print(f"wrote {out} (fingerprint {manifest['fingerprint'][:12]})")
+
+
+def _print_skipped_files(manifest, verbose, shown=3):
+  """Files not read, by name: a few per suffix (all with --verbose), and how to read them."""
+  examples = manifest.get("skipped_file_examples", {})
+  for suffix, count in sorted(manifest["skipped_files"].items()):
+    names = examples.get(suffix, [])
+    names = names if verbose else names[:shown]
+    more = f", ... ({count - len(names)} more)" if count > len(names) else ""
+    print(f"  not read ({suffix}, {count}): {', '.join(names)}{more}")
+  if manifest["skipped_files"]:
+    print("  (these are not text, markdown, code or JSON Lines by name; --as-text GLOB reads "
+          "matching files as text)")
 
 
 def cmd_check_data(args):

@@ -1,7 +1,8 @@
 """Raw files -> document dicts for `maxlm prepare`, counting what is rejected and why.
 
 Reads JSON Lines (`text` or chat `messages`, optional `id` and `source`), plain text, markdown
-and code files, from the files walk.py yields. Each rejected document is counted in a `Report`
+and code files, and files matching an `as_text` glob as plain text, from the files walk.py
+yields. Each rejected document is counted in a `Report`
 by reason (non_utf8, empty, malformed_json, missing_text, bad_messages, bad_unicode) with a few
 examples (all with --verbose); the Report also holds walk.py's skipped counts and renamed ids.
 
@@ -16,6 +17,7 @@ Two choices on bad input:
 """
 
 import collections
+import fnmatch
 import json
 import os
 import pathlib
@@ -35,14 +37,16 @@ class Report:
   """Counts of rejected documents and skipped files per reason, renamed ids, with examples (a
   few, or all with `verbose`)."""
 
-  def __init__(self, verbose=False):
+  def __init__(self, verbose=False, as_text=()):
     self.limit = None if verbose else _EXAMPLES
+    self.as_text = tuple(as_text)  # globs of other files to read as text (`text_glob`)
     self.funnel = self.quality = None  # set when the quality steps ran
     self.rejected = collections.Counter({r: 0 for r in REASONS})
     self.examples = collections.defaultdict(list)
     self.skipped = collections.Counter({r: 0 for r in walk.SKIP_REASONS})
     self.skipped_examples = collections.defaultdict(list)
     self.skipped_files = collections.Counter()
+    self.skipped_file_examples = collections.defaultdict(list)
     self.renamed, self.renamed_examples = 0, []
 
   def _note(self, examples, where):
@@ -57,12 +61,17 @@ class Report:
     self.skipped[reason] += 1
     self._note(self.skipped_examples[reason], where)
 
+  def skip_file(self, suffix, where):
+    self.skipped_files[suffix] += 1
+    self._note(self.skipped_file_examples[suffix], where)
+
   def rename(self, what):
     self.renamed += 1
     self._note(self.renamed_examples, what)
 
 
-def _kind(name):
+def _kind(path, as_text=()):
+  name = os.path.basename(path)
   suffix = os.path.splitext(name)[1].lower()
   if suffix in JSONL_SUFFIXES:
     return "jsonl"
@@ -70,13 +79,25 @@ def _kind(name):
     return "code"
   if suffix in TEXT_SUFFIXES or name in ("METADATA", "README", "LICENSE"):
     return "prose"
+  if as_text and text_glob(path, as_text):
+    return "prose"
   return None
+
+
+def text_glob(path, globs):
+  """Whether a glob matches the file's name or the end of its path: `LICENSE*`, `*.1`,
+  `licenses/*` (for any folder named licenses), `*` (everything)."""
+  parts = walk.display(path).replace(os.sep, "/").split("/")
+  tails = ["/".join(parts[i:]) for i in range(len(parts) - 1, -1, -1)]
+  return any(fnmatch.fnmatchcase(tail, glob) for glob in globs for tail in tails)
 
 
 def iter_documents(inputs, report):
   """Yields dicts {source, id, where, kind, text | messages} and counts what it rejects."""
-  for path, shown, source in walk.iter_files(inputs, report, _kind):
-    kind = _kind(os.path.basename(path)) or "prose"
+  def kind_of(path):
+    return _kind(path, report.as_text)
+  for path, shown, source in walk.iter_files(inputs, report, kind_of):
+    kind = kind_of(path) or "prose"
     if kind == "jsonl":
       yield from _jsonl_documents(path, shown, report)
       continue

@@ -100,7 +100,8 @@ def heldout(source, doc_id, fraction):
 
 def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
             workers=None, progress=True, overwrite=False, verbose=False, log=print,
-            quality=None, rejected=None, engine="local", tasks=None, inspect_dir=None):
+            quality=None, rejected=None, engine="local", tasks=None, inspect_dir=None,
+            as_text=()):
   """Runs the whole preparation and returns the manifest dict.
 
   Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
@@ -109,9 +110,10 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   JSON Lines path listing every document the quality steps removed. engine: "local" (a
   process pool) or "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers`
   processes; `quality.engine`) for the per-document quality work; inspect_dir: where its
-  tasks' records are, or go (default: a temporary folder).
+  tasks' records are, or go (default: a temporary folder). as_text: globs of files to read as
+  text that prepare would otherwise skip (`documents.text_glob`).
   """
-  report = Report(verbose)
+  report = Report(verbose, as_text)
   walk.check_inputs(inputs)
   model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
   staging = datadir.Staging(out_dir, overwrite, log)
@@ -141,9 +143,11 @@ def _select(inputs, report, quality, workers, progress, rejected, spill_dir, eng
   work = inspect_dir or tempfile.mkdtemp(prefix="maxlm-prepare-engine-", dir=spill_dir)
   try:
     tasks = tasks or workers or os.cpu_count()
-    quality_engine.run_datatrove(inputs, inspector, work, tasks, workers or os.cpu_count())
+    quality_engine.run_datatrove(inputs, inspector, work, tasks, workers or os.cpu_count(),
+                                 report.as_text)
     return select.run(docs, inspector, workers, progress, rejected, spill_dir,
-                      inspected=quality_engine.merged(docs, work, tasks, inspector))
+                      inspected=quality_engine.merged(docs, work, tasks, inspector,
+                                                      report.as_text))
   finally:
     if inspect_dir is None:
       shutil.rmtree(work, ignore_errors=True)
@@ -152,7 +156,7 @@ def _select(inputs, report, quality, workers, progress, rejected, spill_dir, eng
 def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers, progress,
              spill):
   if model_proto is None:
-    first_pass, seen = Report(), []
+    first_pass, seen = Report(as_text=report.as_text), []
     kept = select.read_spill(spill) if spill else iter_documents(inputs, first_pass)
     docs = (seen.append(1) or d for d in kept)
     try:
@@ -205,7 +209,9 @@ def _no_documents(inputs, report):
   return MaxlmError(f"no usable documents in {', '.join(map(str, inputs))} "
                     f"(rejected: {dict(+report.rejected) or 'none'}; "
                     f"skipped: {dict(+report.skipped) or 'none'}; "
-                    f"skipped files: {dict(report.skipped_files) or 'none'}{removed})")
+                    f"skipped files: {dict(report.skipped_files) or 'none'}{removed})"
+                    + ("; --as-text GLOB reads skipped files as text (docs/data.md)"
+                       if report.skipped_files else ""))
 
 
 class DataDirWriter:
@@ -291,6 +297,8 @@ def _manifest(index, report, special, vocab_size):
       "rejected": dict(report.rejected),
       "rejected_examples": dict(report.examples),
       "skipped_files": dict(report.skipped_files),
+      "skipped_file_examples": dict(report.skipped_file_examples),
+      "as_text": list(report.as_text),
       "skipped": dict(report.skipped),
       "skipped_examples": dict(report.skipped_examples),
       "renamed_ids": report.renamed,

@@ -16,9 +16,11 @@ entry is counted under a reason, with a few example paths (all of them with --ve
   special_file   a fifo, socket or device (reading a fifo would block)
   unreadable     a folder that cannot be listed or a file that cannot be opened
 
-Files of a kind prepare does not read are counted by suffix in `skipped_files`. An input given
-on the command line is read whatever its name; a missing one or one that is not a regular file or
-folder (a pipe would be consumed by the tokenizer pass) is an error.
+Files of a kind prepare does not read (`kind_of(path)` is None) are counted by suffix in
+`skipped_files`, "(none)" for a name without one, with their paths in `skipped_file_examples`
+(a few per suffix, all with --verbose); `--as-text GLOB` makes prepare read such files as text.
+An input given on the command line is read whatever its name; a missing one or one that is not
+a regular file or folder (a pipe would be consumed by the tokenizer pass) is an error.
 
 File names that are not UTF-8 are shown with \\xNN escapes (`display`), so ids, sources and the
 printout are always valid text.
@@ -42,8 +44,8 @@ def display(path):
 def iter_files(inputs, report, kind_of):
   """(path, display path, default source) of every file to read, in a stable order.
 
-  `kind_of(name)` is None for files prepare does not read; `report.skip(reason, where)` and
-  `report.skipped_files[suffix]` count what is left out.
+  `kind_of(path)` is None for files prepare does not read; `report.skip(reason, where)` and
+  `report.skip_file(suffix, where)` count what is left out.
   """
   seen = set()
   for given in map(str, inputs):
@@ -122,9 +124,8 @@ def _visit(path, name, chain, seen, report, kind_of):
     return path, chain, key
   if not stat.S_ISREG(st.st_mode):
     return report.skip("special_file", where)
-  if kind_of(name) is None:
-    report.skipped_files[os.path.splitext(display(name))[1] or "(none)"] += 1
-    return None
+  if kind_of(path) is None:
+    return report.skip_file(os.path.splitext(display(name))[1] or "(none)", where)
   return path if _first_time(st, seen, where, report) else None
 
 

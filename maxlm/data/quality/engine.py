@@ -31,13 +31,14 @@ from maxlm import MaxlmError
 from maxlm.data.documents import Report, iter_documents, unique_ids
 
 
-def inspect_shard(inputs, inspector, work, data=None, rank=0, world_size=1):
-  """The datatrove step: inspect this task's documents and write their records in order."""
+def inspect_shard(inputs, inspector, work, data=None, rank=0, world_size=1, as_text=()):
+  """The datatrove step: inspect this task's documents and write their records in order.
+  as_text: prepare's --as-text globs (they change which documents there are)."""
   del data
   os.makedirs(os.path.join(work, "inspect"), exist_ok=True)
   with open(os.path.join(work, "inspect", f"{rank:05d}.config.json"), "w") as f:
-    json.dump(_config_json(inspector), f)
-  report = Report()
+    json.dump(_config_json(inspector, as_text), f)
+  report = Report(as_text=as_text)
   path = os.path.join(work, "inspect", f"{rank:05d}.jsonl")
   with open(path + ".partial", "w") as out:
     for number, doc in enumerate(unique_ids(iter_documents(inputs, report), report)):
@@ -56,8 +57,11 @@ def inspect_shard(inputs, inspector, work, data=None, rank=0, world_size=1):
   yield from ()
 
 
-def _config_json(inspector):
-  return json.loads(json.dumps(dataclasses.asdict(inspector.config)))
+def _config_json(inspector, as_text=()):
+  settings = dataclasses.asdict(inspector.config)
+  if as_text:  # absent when empty, so records written without --as-text still match
+    settings["as_text"] = list(as_text)
+  return json.loads(json.dumps(settings))
 
 
 def done(work, tasks):
@@ -65,7 +69,7 @@ def done(work, tasks):
              for r in range(tasks))
 
 
-def run_datatrove(inputs, inspector, work, tasks, workers):
+def run_datatrove(inputs, inspector, work, tasks, workers, as_text=()):
   """Runs the inspect step as `tasks` datatrove tasks on `workers` local processes, unless
   WORK already holds every task's records (run elsewhere, e.g. on a Slurm cluster)."""
   if done(work, tasks):
@@ -74,7 +78,8 @@ def run_datatrove(inputs, inspector, work, tasks, workers):
     from datatrove.executor import LocalPipelineExecutor
   except ImportError:
     raise MaxlmError("--engine datatrove needs datatrove: pip install -e '.[cluster]'") from None
-  step = functools.partial(inspect_shard, list(inputs), inspector, work)
+  step = functools.partial(inspect_shard, list(inputs), inspector, work,
+                           as_text=tuple(as_text))
   executor = LocalPipelineExecutor(pipeline=[step], tasks=tasks, workers=workers,
                                    logging_dir=os.path.join(work, "logs"), skip_completed=False)
   executor.run()
@@ -85,13 +90,14 @@ def run_datatrove(inputs, inspector, work, tasks, workers):
                      f"{os.path.join(work, 'logs')}")
 
 
-def merged(docs, work, tasks, inspector):
+def merged(docs, work, tasks, inspector, as_text=()):
   """`docs` (in input order) with their verdicts read back from the tasks' records."""
   for r in range(tasks):
     with open(os.path.join(work, "inspect", f"{r:05d}.config.json")) as f:
-      if json.load(f) != _config_json(inspector):
-        raise MaxlmError(f"{work}: task {r} inspected with other quality settings than "
-                         "this prepare's; rerun the tasks with the same settings")
+      if json.load(f) != _config_json(inspector, as_text):
+        raise MaxlmError(f"{work}: task {r} inspected with other quality settings (or "
+                         "--as-text) than this prepare's; rerun the tasks with the same "
+                         "settings")
   files = [open(os.path.join(work, "inspect", f"{r:05d}.jsonl")) for r in range(tasks)]
   try:
     records = heapq.merge(*(map(json.loads, f) for f in files), key=lambda r: r["number"])
