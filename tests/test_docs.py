@@ -69,3 +69,20 @@ def test_cloud_examples_parse_and_launch_dry_runs_pass(page, tmp_path):
         proc = run_bash(f"{line} --dry-run", ROOT)
         assert proc.returncode == 0, f"{line}\n{proc.stderr[-2000:]}"
         assert proc.stdout.strip(), line
+
+
+def test_every_page_is_linked_from_the_readme_and_cites_only_the_repository():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  for page in PAGES:
+    assert f"(docs/{page})" in readme, f"README.md's Documentation list does not link {page}"
+  texts = {"README.md": readme}
+  for folder, suffix in (("docs", ".md"), ("maxlm", ".py"), ("configs", ".yaml")):
+    for base, _, files in os.walk(os.path.join(ROOT, folder)):
+      for name in files:
+        if name.endswith(suffix):
+          with open(os.path.join(base, name)) as f:
+            texts[os.path.relpath(os.path.join(base, name), ROOT)] = f.read()
+  for where, text in texts.items():
+    assert "DESIGN.md" not in text and "../shared" not in text, (
+        f"{where} cites a file outside the repository")
