@@ -6,8 +6,7 @@ JAX distributed client's key-value store and reads its peers'. A peer whose coun
 moved for MAXLM_PEER_TIMEOUT seconds (default 120) is lost: this process prints
   maxlm train: error: lost process 1 of 2 (no heartbeat for 120 s) ...
 and exits at once with EXIT_LOST (75, EX_TEMPFAIL: rerun to resume), without the atexit
-shutdown barrier that would wait for the dead peer. When the store itself stops answering, it
-lives in process 0, so the coordinator is reported lost. A process that stops on an error
+shutdown barrier that would wait for the dead peer. A process that stops on an error
 publishes that error first, and its peers exit with it at their next beat
 ("process 1 stopped: ...") rather than waiting out the timeout; one that finishes normally
 says so, and is not missed.
@@ -17,6 +16,14 @@ detect a dead peer, but ends the survivors with SIGABRT, a C++ fatal log and a s
 ours fires first (JAX's timeout is set to ours plus a margin in `distributed.initialize`) and
 says which process was lost. Liveness is judged from a thread, not from step progress, so a
 long compile or checkpoint save is never mistaken for a death.
+
+Process 0 is the exception: it hosts the coordination service, and when it dies JAX's client
+in every other process ends that process itself within a second (SIGABRT, exit 134, with
+JAX's "Terminating process because the JAX distributed service detected fatal errors" log).
+That is bounded, but not our one line: the client's `missed_heartbeat_callback`, which would
+replace it, cannot be used from Python in this jaxlib (calling it fails converting the status,
+std::bad_cast). Should the store stop answering without that (a hung coordinator), the
+watchdog reports the coordinator lost after four beats.
 """
 
 import atexit
