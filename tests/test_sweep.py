@@ -155,3 +155,13 @@ def test_a_tiny_sweep_is_deterministic_and_resumes_after_a_kill(demo_data, tmp_p
                          capture_output=True, text=True)
   assert other.returncode == 2 and "holds another sweep" in other.stderr
   assert "Traceback" not in other.stderr
+
+
+def test_a_failing_point_stops_the_sweep_with_one_line(demo_data, tmp_path):
+  cwd = os.path.dirname(os.path.dirname(__file__))
+  cmd = [a if a != "stages.0.batch=8" else "stages.0.batch=4" for a in
+         _sweep_cmd(demo_data, tmp_path / "bad")]  # 8 simulated devices cannot split 4 rows
+  proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert "1 point failed: c2e10_16x1" in proc.stderr and "not divisible" in proc.stderr
+  assert not (tmp_path / "bad" / "runs" / "c2e10_24x1").exists()  # not started

@@ -74,7 +74,7 @@ def sweep(config_path, overrides, budgets, sizes, out, *, workers=1, target=None
     log(f"wrote {out}/sweep.json, {png}" + (f", {recommended}" if recommended else
                                             " (no recommendation: no budget has an optimum)"))
     if failures:
-      raise MaxlmError(f"{len(failures)} points failed: " + "; ".join(
+      raise MaxlmError(f"{len(failures)} point{'s' * (len(failures) > 1)} failed: " + "; ".join(
           f"{k}: {v}" for k, v in failures.items()))
     return {"points": rows, "fits": fitted, "exponents": exponents,
             "recommendation": recommendation}

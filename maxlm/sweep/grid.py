@@ -12,7 +12,8 @@ The automatic grid, per budget C:
   3. `points` targets are spaced evenly in log N across the window, and each takes the ladder
      shape nearest in log N (each shape at most once per budget).
 The ladder is one family of shapes, so that neighbouring sizes differ in scale, not in kind:
-widths 16..2048, depth growing linearly with width up to 6 layers at 256 (the 1 x 32 ... 6 x 256
+widths 8..2048 (the narrowest for tiny budgets, where the embedding table bounds N from
+below), depth growing linearly with width up to 6 layers at 256 (the 1 x 32 ... 6 x 256
 family of laptop-scale sweeps), then as its square root (12 layers at 1024, 17 at 2048).
 """
 
@@ -24,7 +25,7 @@ from maxlm import MaxlmError
 from maxlm.config import MODEL_SIZES
 
 CHINCHILLA_TOKENS_PER_PARAM = 20
-WIDTHS = (16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024,
+WIDTHS = (8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024,
           1280, 1536, 2048)
 
 

@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -151,13 +152,14 @@ def run_points(points, workers, log=print):
   if len(todo) < len(points):
     log(f"{len(points) - len(todo)} of {len(points)} points already finished: reusing them")
   pool = concurrent.futures.ThreadPoolExecutor(max(1, workers))
+  stop = threading.Event()
   try:
-    futures = {pool.submit(_run_one, p, log): p for p in todo}
+    futures = {pool.submit(_run_one, p, log, stop): p for p in todo}
     for i, future in enumerate(concurrent.futures.as_completed(futures), 1):
       p = futures[future]
-      if future.cancelled():
-        continue
       error = future.result()
+      if error is _SKIPPED:
+        continue
       flops = 6.0 * p.n_params * p.tokens
       done_flops += flops
       remaining -= flops
@@ -165,22 +167,28 @@ def run_points(points, workers, log=print):
       if error:  # most likely the config: stop rather than fail every point alike
         failures[p.name] = error
         status = f"FAILED: {error}"
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop.set()
       else:
         r = p.result()
         status = f"val_loss {r['val_loss']:.4f} val_bpb {r.get('val_bpb', float('nan')):.3f}"
       log(f"[{i}/{len(todo)}] {p.name}: N={p.n_params:,} D={p.tokens:,} {status} "
           f"(ETA {int(eta // 60)}:{int(eta % 60):02d})")
   except KeyboardInterrupt:  # the children got the Ctrl-C too: they save and exit
-    pool.shutdown(wait=True, cancel_futures=True)
+    stop.set()
+    pool.shutdown(wait=True)
     raise MaxlmError("interrupted; finished points and checkpoints are kept: rerun the same "
                      "command to continue") from None
   pool.shutdown(wait=True)
   return failures
 
 
-def _run_one(p, log):
-  """Trains one point in a child process; None or the error line of a failure."""
+_SKIPPED = "skipped"  # not started: an earlier point failed or the sweep was interrupted
+
+
+def _run_one(p, log, stop):
+  """Trains one point in a child process; None, _SKIPPED or the error line of a failure."""
+  if stop.is_set():
+    return _SKIPPED
   log(f"running {p.name}: {p.shape.model_keys()} N={p.n_params:,}, {p.steps} steps, "
       f"{p.epochs:.2f} epochs")
   os.makedirs(p.run_dir, exist_ok=True)
@@ -192,6 +200,7 @@ def _run_one(p, log):
                           stdout=logfile, stderr=subprocess.STDOUT, check=False).returncode
   if code == 0 and p.result() is not None:
     return None
+  stop.set()  # before the next point starts in this worker
   if code in (130, -2):
     raise KeyboardInterrupt
   with open(os.path.join(p.run_dir, "train.log"), "rb") as logfile:
