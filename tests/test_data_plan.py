@@ -1,6 +1,11 @@
+import dataclasses
+import json
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from maxlm import MaxlmError
 from maxlm.data import chunk, plan
 
 import datagen
@@ -153,3 +158,73 @@ def test_stage_continues_pool_cursors():
   second = both.block(1, 0).doc.tolist()
   assert both.block(0, 0).doc.tolist() == first
   assert not set(first) & set(second), "stage 1 must not re-read stage 0's documents"
+
+
+def test_snapshot_survives_json_and_a_fresh_planner_plans_only_from_it():
+  mem = datagen.MemoryStore(datagen.make_docs([40 + (i * 53) % 500 for i in range(90)],
+                                              ["a", "b", "c"] * 30, 4))
+  cfg = datagen.make_config([{"seq_len": 128, "batch": 4, "steps": 40},
+                             {"seq_len": 256, "batch": 2, "steps": 30}],
+                            {"mix": {"a": 1, "b": 2, "c": 1}, "shuffle_rows": 4,
+                             "block_rows": 8, "overlap": 8, "lookahead": 5,
+                             "fim": {"rate": 0.5}}, 3)
+  sequential = plan.Planner(mem.index, cfg)
+  want = {(s, b): sequential.block(s, b) for s, b in [(0, 17), (1, 6)]}
+  for s, b in want:
+    saved = json.loads(json.dumps(dataclasses.asdict(sequential.snapshot(s, b))))
+    assert saved["version"] == plan.VERSION
+    fresh = plan.Planner(mem.index, cfg)
+    fresh.seed_snapshot(plan.Snapshot(**saved))
+    fresh.warm(s)  # a snapshot of stage s is known: nothing planned
+    assert fresh._state is None
+    assert np.array_equal(fresh.block(s, b).doc, want[(s, b)].doc)
+    assert fresh._state == (s, b + 1)
+
+
+def test_a_snapshot_of_another_plan_version_is_refused():
+  with pytest.raises(MaxlmError, match="checkpoint 40 was planned with data plan v1; this "
+                                       r"maxlm \(.*\) plans v2.*start over"):
+    plan.check_resume({"stage": 0, "block": 1, "pools": [], "taken": [], "largest": 1}, 40)
+  with pytest.raises(MaxlmError, match="data plan v1"):
+    plan.check_resume(None, 40)
+  plan.check_resume({"version": plan.VERSION}, 40)
+  planner = plan.Planner(datagen.MemoryStore(datagen.make_docs([10] * 4)).index,
+                         datagen.make_config([{"seq_len": 32, "batch": 2, "steps": 2}]))
+  with pytest.raises(MaxlmError, match="v1 cannot seed plan v2"):
+    planner.seed_snapshot(plan.Snapshot(0, 0, [], [], 1, version=1))
+
+
+def test_the_planner_holds_no_per_document_state():
+  mem = datagen.MemoryStore(datagen.make_docs([3 + i % 7 for i in range(3 * plan.CHUNK)],
+                                              ["a", "b"] * (3 * plan.CHUNK // 2)))
+  cfg = datagen.make_config([{"seq_len": 64, "batch": 8, "steps": 400}],
+                            {"shuffle_rows": 8, "block_rows": 64, "overlap": 4})
+  planner = plan.Planner(mem.index, cfg)
+  for b in range(planner.num_blocks(0)):
+    planner.block(0, b)
+  for pool in planner.pools:
+    assert np.shares_memory(pool.docs, mem.index.pool_docs)  # a view, not a copy
+    assert pool.epoch >= 1 and len(pool._chunk[2]) <= plan.CHUNK
+  # an epoch's order, read position by position, is each pool's documents once
+  pool = planner.pools[0]
+  order = np.concatenate([pool.epoch_docs(1, np.arange(a, min(a + 1000, pool.n)))
+                          for a in range(0, pool.n, 1000)])
+  assert np.array_equal(np.sort(order), np.sort(pool.docs))
+  assert len(planner._recent) <= plan.KEEP_SNAPSHOTS
+
+
+def test_the_plan_is_pinned():
+  # Batches are a pure function of (data, config, stage, step) under plan.VERSION: a change
+  # here changes every run's batches and needs a new version (plan.check_resume).
+  mem = datagen.MemoryStore(datagen.make_docs([5 + (i * 37) % 200 for i in range(30)],
+                                              ["a", "b"] * 15, 1))
+  cfg = datagen.make_config([{"seq_len": 64, "batch": 2, "steps": 4}],
+                            {"shuffle_rows": 2, "block_rows": 8, "overlap": 4,
+                             "fim": {"rate": 0.5}}, 7)
+  blk = plan.Planner(mem.index, cfg).block(0, 0)
+  assert blk.doc.tolist() == PINNED_DOCS
+  assert blk.fim.tolist() == PINNED_FIM
+
+
+PINNED_DOCS = [22, 1, 28, 5, 10, 7, 7, 19, 0, 10, 9, 10]
+PINNED_FIM = [0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0]

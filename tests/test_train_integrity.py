@@ -242,3 +242,19 @@ def test_sigint_at_any_moment_of_start_up_ends_without_a_traceback(runs, tmp_pat
   assert "Traceback" not in err, err
   assert proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err)  # 0: saved
   assert err.count("\n") <= 1, err
+
+
+def test_a_checkpoint_of_the_previous_data_plan_is_refused(runs, tmp_path):
+  cfg, lines = resume_copy(runs, tmp_path)
+  meta_file = tmp_path / "run" / "checkpoints" / "8" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  assert meta["planner"]["version"] == 2
+  del meta["planner"]["version"]  # as plan v1 wrote it
+  meta["integrity"]["meta"] = integrity._meta_hash(meta)  # a sound checkpoint, not a corrupt one
+  meta_file.write_text(json.dumps(meta))
+  before = len(metrics.read_jsonl(cfg.run_dir))
+  with pytest.raises(MaxlmError, match="checkpoint 8 was planned with data plan v1; this maxlm "
+                                       r"\(.*\) plans v2.*finish the run with the maxlm that "
+                                       "started it, or start over in a new run_dir"):
+    loop.train(cfg, log=lines.append)
+  assert len(metrics.read_jsonl(cfg.run_dir)) == before
