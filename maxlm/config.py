@@ -88,7 +88,7 @@ class ModelConfig:
   scan_layers: bool = True  # one compiled layer scanned n_layers times (faster compiles)
   loss_chunk: int = 1024  # >= 1; positions per chunk of the vocabulary projection in the loss
   z_loss: float = 0.0  # >= 0; weight of the log-partition (z) loss
-  max_logit: bool = True  # report the largest attention logit (exact; costs a pass on kernels)
+  max_logit: bool = True  # report the largest attention logit (exact; an extra pass on splash only)
 
   def check(self, key):
     if self.size not in MODEL_SIZES:
