@@ -84,6 +84,7 @@ def _state_before(run_dir, config, data, vocab, g, log):
     while found is not None:
       step_no, meta = found
       resume.check_same_model(config, vocab, meta)
+      plan.check_resume(meta.get("planner"), step_no)  # another plan: other batches
       try:
         state = resume.restore_state(ckpts, step_no, meta, config, vocab, loop.stage_parts)
         if meta.get("planner"):
