@@ -7,7 +7,9 @@ change moves the loss), held-out loss and bits per byte (all sources, and each s
 `val_loss/<source>` / `val_bpb/<source>` keys), learning rate, gradient and parameter norms, the
 largest attention logit, and MFU with tokens/s. Dashed lines mark stage boundaries, labelled
 with the stage's name (or index) and L. A resumed run logs recomputed steps again: the last row
-of each step wins.
+of each step wins. The first step a process runs in a stage includes compiling it, so its MFU
+and tokens/s are left out of their panel (found in file order: a step that does not follow
+the previous row's step in the same stage).
 """
 
 import io as io_lib
@@ -56,10 +58,15 @@ def stage_labels(run_dir):
 
 
 def step_rows(rows):
-  latest = {}
+  """The step rows (not events), the last of each step, sorted; a row that compiled (the
+  first of its stage in its process) is marked `compiled`."""
+  latest, previous = {}, None
   for row in rows:  # a resumed run rewrites steps: keep the last value of each
     if "loss" in row and "step" in row:  # other rows (events) are not steps
-      latest[row["step"]] = row
+      follows = previous is not None and (previous["step"], previous.get("stage")) == (
+          row["step"] - 1, row.get("stage"))
+      latest[row["step"]] = {**row, "compiled": not follows}
+      previous = row
   return [latest[s] for s in sorted(latest)]
 
 
@@ -87,8 +94,9 @@ def figure(rows, labels=None, title=""):
   return fig
 
 
-def _series(rows, key, scale=1.0):
-  pts = [(r["step"], r[key] * scale) for r in rows if isinstance(r.get(key), (int, float))]
+def _series(rows, key, scale=1.0, steady=False):
+  pts = [(r["step"], r[key] * scale) for r in rows if isinstance(r.get(key), (int, float))
+         and not (steady and r.get("compiled"))]
   return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -129,11 +137,11 @@ def _per_source(ax, rows, name):
 
 
 def _mfu(ax, rows):
-  xs, ys = _series(rows, "mfu", 100)
+  xs, ys = _series(rows, "mfu", 100, steady=True)
   ax.plot(xs, ys, lw=1, color="tab:green", label="MFU %")
   ax.set_ylabel("MFU %")
   twin = ax.twinx()
-  xs, ys = _series(rows, "tokens_per_s")
+  xs, ys = _series(rows, "tokens_per_s", steady=True)
   twin.plot(xs, ys, lw=0.8, alpha=0.5, color="tab:orange", label="tokens/s")
   twin.set_ylabel("tokens/s")
   handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
