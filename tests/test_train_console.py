@@ -111,3 +111,12 @@ def test_train_on_a_terminal_says_what_it_does(tmp_path, data_dir):
   stop = [line for line in lines if "stopped after step 8" in line]
   assert len(stop) == 1 and stop[0].startswith("stopped after step 8"), text
   assert re.search(r"ETA \d+:\d\d", text) and "ETA --:--" in text  # none until steady state
+
+
+def test_the_redrawn_line_fits_the_terminal(monkeypatch):
+  monkeypatch.setenv("COLUMNS", "40")
+  term = FakeTerminal()
+  out = console.Console(print, term)
+  out.progress("x" * 100)
+  out.progress("y" * 100, keep=True)  # a kept line may wrap: it is not redrawn
+  assert term.getvalue() == "\r" + "x" * 39 + "\x1b[K\r" + "y" * 100 + "\x1b[K\n"

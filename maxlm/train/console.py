@@ -10,6 +10,7 @@ interleave with checkpoint and resume messages from other modules.
 """
 
 import contextlib
+import shutil
 import sys
 import time
 
@@ -37,6 +38,8 @@ class Console:
     """Shows `line` in place on a terminal (kept, with its newline, if `keep`)."""
     if not self.tty:
       return self.log(line)
+    if not keep:  # a line wider than the terminal wraps, and \r would redraw only its tail
+      line = line[:max(20, shutil.get_terminal_size().columns - 1)]
     self.stream.write("\r" + line + "\x1b[K" + ("\n" if keep else ""))
     self.stream.flush()
     self.pending = not keep
