@@ -92,15 +92,27 @@ def read_meta(data_dir):
 
 def open_arrays(data_dir, fields=FIELDS):
   """{field: read-only memory map} of a data dir's index files (remote ones via the cache)."""
-  return {f: np.load(local_path(data_dir, file_name(f)), mmap_mode="r") for f in fields}
+  manifest = _manifest(data_dir)
+  return {f: np.load(local_path(data_dir, file_name(f), manifest), mmap_mode="r") for f in fields}
 
 
-def local_path(data_dir, name):
+def _manifest(data_dir):
+  """The manifest of a remote data dir, read once per open (the sizes and hashes of what to
+  cache; opening the data dir has checked it against the files)."""
+  if io.is_local(data_dir):
+    return None
+  from maxlm.data import datadir
+  return json.loads(io.read_bytes(io.join(data_dir, datadir.MANIFEST)))
+
+
+def local_path(data_dir, name, manifest=None):
   """A local path holding the data dir's file `name` (the file itself when local)."""
   if io.is_local(data_dir):
     return os.path.join(str(data_dir), name)
-  from maxlm.data import store  # the manifest: sizes and hashes of what to cache
-  manifest = store.load_manifest(data_dir)
+  manifest = manifest or _manifest(data_dir)
+  if name not in manifest.get("files", {}):
+    raise MaxlmError(f"data.dir {data_dir!r}: manifest.json does not list {name}; re-run maxlm "
+                     f"prepare INPUT... --out {data_dir} --overwrite")
   want = manifest["files"][name]
   folder = cache_root() / "index" / manifest["fingerprint"][:32]
   path = folder / name
@@ -135,8 +147,9 @@ class DocIds:
     self._open()
 
   def _open(self):
-    self.ptr = np.load(local_path(self.data_dir, file_name(ID_PTR)), mmap_mode="r")
-    path = local_path(self.data_dir, IDS)
+    manifest = _manifest(self.data_dir)
+    self.ptr = np.load(local_path(self.data_dir, file_name(ID_PTR), manifest), mmap_mode="r")
+    path = local_path(self.data_dir, IDS, manifest)
     self.data = (np.memmap(path, np.uint8, "r") if os.path.getsize(path)
                  else np.zeros(0, np.uint8))
 

@@ -214,7 +214,7 @@ def check_resume(saved, step_no):
     raise MaxlmError(f"checkpoint {step_no} was planned with data plan v{version}; this maxlm "
                      f"({__version__}) plans v{VERSION}, and the same step would train on other "
                      "batches: finish the run with the maxlm that started it, or start over "
-                     "in a new run_dir (docs/data.md)")
+                     "in a new run_dir (docs/design.md)")
 
 
 class Planner:
