@@ -47,10 +47,10 @@ run, and `configs/demo.yaml` overrides the ones that are slow on a 2-core CPU:
 
 | key | default | demo.yaml | why |
 |---|---|---|---|
-| `model.dtype` | `bfloat16` | `float32` | accelerators multiply bf16 at full rate; a CPU has no fast bf16 matmul and converts every operand |
+| `model.dtype` | `bfloat16` | `float32` | accelerators multiply bf16 at full rate; most CPUs have no fast bf16 matmul, so XLA converts the operands |
 | `model.remat` | `full` | `none` | recomputing each layer in the backward pass saves accelerator memory at ~1/3 more compute; the demo model fits in memory without it |
 | `stages.N.block_q`, `block_k` | `512` | `128` | 512-position attention tiles feed an accelerator's matrix units; on the CPU 128 is fastest (`tools/bench_train.py`) |
-| `model.loss_chunk` | `1024` | `256` | a smaller vocabulary projection per chunk stays in a CPU's caches |
+| `model.loss_chunk` | `1024` | `256` | positions per chunk of the vocabulary projection: the demo's stages are 128 to 1024 long |
 | `model.size` | `tiny` | `demo` | the demo's width runs the CPU's matmuls near peak (see `MODEL_SIZES` in `maxlm/config.py`) |
 
 So deleting a line from demo.yaml is not neutral: with these defaults back, the demo model's
@@ -114,7 +114,12 @@ def _type(hint):
   if typing.get_origin(hint) is tuple and args and dataclasses.is_dataclass(args[0]):
     return "list of sections"
   text = hint.__name__ if isinstance(hint, type) and not args else str(hint)
-  return re.sub(r"tuple\[(\w+), \.\.\.\]", r"list[\1]", text.replace("typing.", ""))
+  text = text.replace("typing.", "")
+  while True:  # tuple[X, ...] -> list[X], innermost first (X may hold brackets)
+    new = re.sub(r"tuple\[([^\[\]]*(?:\[[^\[\]]*\])?[^\[\]]*), \.\.\.\]", r"list[\1]", text)
+    if new == text:
+      return text
+    text = new
 
 
 def _default(field):
