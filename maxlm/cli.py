@@ -139,6 +139,9 @@ def _parser():
   p.add_argument("--workdir", help="where the three runs go (default: a new temporary folder)")
   p.add_argument("--corrupt", action="store_true",
                  help="also flip bytes in the latest checkpoint before the last resume")
+  p.add_argument("--processes", type=int, default=1,
+                 help="run each training as N local processes joined by jax.distributed "
+                      "(on CPU over gloo), and kill all of them at once")
 
   p = sub.add_parser("eval", help="held-out loss and bits per byte, per source")
   p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
@@ -299,7 +302,7 @@ def cmd_verify_restart(args):
   if args.kills < 0:
     raise MaxlmError(f"--kills must be >= 0, got {args.kills}")
   if not verify.verify(args.config, args.overrides, args.kills, args.seed, args.workdir,
-                       corrupt=args.corrupt):
+                       corrupt=args.corrupt, processes=args.processes):
     print("restart changed the trajectory", file=sys.stderr)
     return 1
   print("bitwise identical")

@@ -193,3 +193,18 @@ def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, r
   assert waited < 4 + 30, waited  # the timeout, one beat, and a loaded machine
   train(config, run_dir, 2)
   assert_same(reference, run_dir)
+
+
+def test_verify_restart_kills_a_two_process_run(config, tmp_path):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "verify-restart", str(config),
+                         "--processes", "2", "--kills", "1", "--workdir", str(tmp_path)],
+                        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+  assert "uninterrupted run as 2 processes" in proc.stdout
+  assert "kill 1: mid-stage" in proc.stdout and "(killed)" in proc.stdout
+  assert proc.stdout.rstrip().endswith("bitwise identical")
+  killed, base = rows(tmp_path / "killed"), rows(tmp_path / "uninterrupted")
+  assert sorted(killed) == sorted(base) == list(range(STEPS))
+  assert all(killed[s]["loss"] == base[s]["loss"] for s in base)
