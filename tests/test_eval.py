@@ -116,3 +116,16 @@ def test_source_order_is_fixed_and_independent_of_other_sources(tmp_path):
   assert first == bpb.source_order(data.index, 1)
   held = np.flatnonzero((data.index.split == store.VAL) & (data.index.source == 1)).tolist()
   assert sorted(first) == held and first != held  # a permutation, not index order
+
+
+def test_pack_places_whole_documents_and_a_long_one_does_not_crowd_out_the_rest(tmp_path):
+  docs = datagen.make_docs([500, 20, 30, 40, 600])
+  data_dir = datagen.write_data_dir(tmp_path / "d", docs)
+  index = loader.Data(config_lib.from_dict({**config_lib.to_dict(datagen.make_config(
+      [{"seq_len": 32, "batch": 1, "steps": 1}])), "data": {"dir": data_dir}})).index
+  rows, complete = bpb.pack(index, [0, 1, 2, 3], 32, 4, 0.5, max_rows=4)
+  assert complete == [1, 2, 3] and {p[1] for r in rows for p in r} == {1, 2, 3}
+  assert all(sum(p[3] - p[2] for p in r) <= 32 for r in rows) and len(rows) <= 4
+  # nothing fits whole: the first document fills the rows, for the loss only
+  rows, complete = bpb.pack(index, [0, 4], 32, 4, 0.5, max_rows=3)
+  assert complete == [] and len(rows) == 3 and {p[1] for r in rows for p in r} == {0}

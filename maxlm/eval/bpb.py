@@ -12,12 +12,14 @@ an evaluation at step 100 scores exactly the rows of the one at step 50:
   2. A source's documents are taken in a fixed permutation (seeded by the source's name, not by
      the run's seed, so runs with different seeds are scored on the same rows and adding a
      source does not change another's), cut like training documents (with the same overlap as
-     read-only context) and first-fit packed into its rows until a document does not fit.
+     read-only context) and first-fit packed, whole documents only, into its rows (`pack`).
+     So loss and bits per byte are over the same documents, and a long document that does not
+     fit does not crowd out the short ones after it.
 The rows depend only on the data dir, the split, seq_len, data.overlap, data.min_cut and
 max_rows: not on the batch size, the hosts or the step.
 
-A document counts toward bits per byte only if all of it was evaluated: the summed NLL of its
-tokens (in nats) over ln 2 and over the UTF-8 bytes of its original text. Chat documents count
+Bits per byte: the summed NLL of a whole document's tokens (in nats) over ln 2 and over the
+UTF-8 bytes of its original text. Chat documents count
 toward the loss but not toward bits per byte, since only their replies are scored.
 """
 
@@ -38,26 +40,66 @@ def source_order(index, source, split=store.VAL):
   return docs[np.random.default_rng([zlib.crc32(name), 0xE7A1]).permutation(len(docs))].tolist()
 
 
-def pack(index, docs, seq_len, overlap, min_cut, max_rows):
-  """(rows of pieces, documents whose every piece made it into a row): docs first-fit packed
-  in the given order into at most max_rows rows, stopping at the first that does not fit."""
-  rows, space, complete = [], [], []
+def pack(index, docs, seq_len, overlap, min_cut, max_rows, patience=64):
+  """(rows of pieces, documents in them): whole documents first-fit packed in the given order
+  into at most max_rows rows. A document that does not fit whole is passed over; packing ends
+  once all rows are open and `patience` documents in a row have not fit. If no document fits
+  whole (each is longer than the rows), the first one fills the rows as far as it goes, and
+  counts toward the loss only."""
+  rows, space, complete, misses = [], [], [], 0
   for doc in docs:
-    n = int(index.length[doc])
-    pos, lvl = index.bounds(doc)
-    for a, b, ctx in chunk.cut(n, 0, n, pos, lvl, seq_len + 1, overlap, min_cut):
-      size = chunk.positions(int(a == 0), ctx, b - a, int(b == n), 0)
-      slot = next((i for i, free in enumerate(space) if free >= size), None)
-      if slot is None:
-        if len(rows) >= max_rows:
-          return rows, complete
-        rows.append([])
-        space.append(seq_len)
-        slot = len(rows) - 1
-      rows[slot].append((int(index.source[doc]), doc, a, b, ctx, 0))
-      space[slot] -= size
+    pieces = _pieces(index, doc, seq_len, overlap, min_cut)
+    slots = _first_fit([size for size, _ in pieces], space, seq_len, max_rows)
+    if slots is None:
+      misses += 1
+      if len(rows) == max_rows and misses >= patience:
+        break
+      continue
+    misses = 0
+    _place(rows, space, seq_len, pieces, slots)
     complete.append(doc)
+  if not rows and docs and max_rows:
+    pieces = _pieces(index, docs[0], seq_len, overlap, min_cut)
+    fits = 0
+    while fits < len(pieces) and _first_fit([sz for sz, _ in pieces[:fits + 1]], space, seq_len,
+                                            max_rows) is not None:
+      fits += 1
+    _place(rows, space, seq_len, pieces[:fits],
+           _first_fit([sz for sz, _ in pieces[:fits]], space, seq_len, max_rows))
   return rows, complete
+
+
+def _pieces(index, doc, seq_len, overlap, min_cut):
+  """[(positions, piece)] of a document cut as for training."""
+  n = int(index.length[doc])
+  pos, lvl = index.bounds(doc)
+  return [(chunk.positions(int(a == 0), ctx, b - a, int(b == n), 0),
+           (int(index.source[doc]), doc, a, b, ctx, 0))
+          for a, b, ctx in chunk.cut(n, 0, n, pos, lvl, seq_len + 1, overlap, min_cut)]
+
+
+def _first_fit(sizes, space, seq_len, max_rows):
+  """The row of each size when first-fit after the rows' free `space`, or None."""
+  free, slots = list(space), []
+  for size in sizes:
+    slot = next((i for i, f in enumerate(free) if f >= size), None)
+    if slot is None:
+      if len(free) >= max_rows or size > seq_len:
+        return None
+      free.append(seq_len)
+      slot = len(free) - 1
+    free[slot] -= size
+    slots.append(slot)
+  return slots
+
+
+def _place(rows, space, seq_len, pieces, slots):
+  for (size, piece), slot in zip(pieces, slots):
+    while slot >= len(rows):
+      rows.append([])
+      space.append(seq_len)
+    rows[slot].append(piece)
+    space[slot] -= size
 
 
 def row_quotas(wanted, max_rows):
