@@ -5,13 +5,13 @@ tokenizer files, and loads with `AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)` without maxlm. It is written into a temporary sibling and
 renamed into place once complete, so an interrupted export leaves no half folder at DIR.
 
-Memory: tensors are streamed. `RunCheckpoint` reads one layer of one parameter at a time
-(never the whole state, whatever mesh or host count wrote it), and a shard holds at most
-`shard_bytes` of tensors, which the `safetensors` package serialises when the shard is full
-(it takes a dict of arrays per file, so a shard is gathered, never the model). Peak host memory
-is about twice the shard size plus one layer of the largest parameter. Above one shard the
-files are model-0000i-of-0000n.safetensors with model.safetensors.index.json, as transformers
-writes them.
+Memory: tensors are streamed. `RunCheckpoint` reads one parameter at a time (never the whole
+state, whatever mesh or host count wrote it), and a shard holds at most `shard_bytes` of
+tensors, which the `safetensors` package serialises when the shard is full (it takes a dict of
+arrays per file, so a shard is gathered, never the model). Peak host memory is about twice the
+shard size plus the largest parameter (all its layers). Above one shard the files are
+model-0000i-of-0000n.safetensors with model.safetensors.index.json, as transformers writes
+them.
 """
 
 import json
