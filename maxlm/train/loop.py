@@ -217,7 +217,8 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         spike = detector.observe(s, m["loss"])
         if spike:
           row["spike"] = spike
-          log(f"step {g}: loss spike, {m['loss']:.4f} > {spike['threshold']:.4f} (mean + "
+          log(f"loss spike at step {g} of metrics.jsonl (total {g + 1} here): "
+              f"{m['loss']:.4f} > {spike['threshold']:.4f} (mean + "
               f"{config.train.spike_sigmas:g} std of the last {config.train.spike_window} "
               f"steps); maxlm trace {config.run_dir} --step {g}")
         finite = integrity.all_finite(m)
