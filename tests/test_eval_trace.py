@@ -70,3 +70,15 @@ def test_trace_and_eval_commands_print_json(run):
     assert set(entry) == {"rows", "tokens", "bytes", "loss", "bpb"}
   proc = maxlm("trace", run, "--step", -1)
   assert proc.returncode == 2 and "global steps 0..10" in proc.stderr
+
+
+def test_every_evaluation_logs_every_source_in_metrics_and_tensorboard(run):
+  import pathlib
+  evals = [r for r in metrics.read_jsonl(run) if "val_loss" in r]
+  assert evals
+  for r in evals:
+    for name in ("prose", "code"):
+      assert math.isfinite(r[f"val_loss/{name}"]) and math.isfinite(r[f"val_bpb/{name}"]), r
+  (events,) = pathlib.Path(run).glob("events.out.tfevents.*")
+  tags = set().union(*(scalars for _, scalars in metrics.read_events(str(events))))
+  assert {"val_loss/prose", "val_loss/code", "val_bpb/prose", "val_bpb/code"} <= tags
