@@ -342,7 +342,7 @@ def cmd_eval(args):
 
 
 def cmd_trace(args):
-  from maxlm.eval import trace
+  from maxlm.eval import bpb, trace
   if args.spikes:
     found = trace.spike_list(args.run_dir)
     print(json.dumps({"spikes": found}) if args.json else trace.format_spikes(found))
@@ -350,7 +350,7 @@ def cmd_trace(args):
   if args.top < 0:
     raise MaxlmError(f"--top must be >= 0, got {args.top}")
   result = trace.trace(args.run_dir, args.step, log=lambda m: print(m, file=sys.stderr))
-  print(json.dumps(result) if args.json else trace.format_trace(result, args.top))
+  print(json.dumps(bpb.jsonable(result)) if args.json else trace.format_trace(result, args.top))
 
 
 def cmd_generate(args):

@@ -205,7 +205,9 @@ def evaluate(nll_fn, data, seq_len, batch_rows, max_rows, split=store.VAL):
 
 
 def jsonable(value):
-  """value with NaN (no bytes or tokens to divide by) as None, for strict JSON."""
+  """value with NaN (nothing to divide by, a diverged step) as None, for strict JSON."""
   if isinstance(value, dict):
     return {k: jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [jsonable(v) for v in value]
   return None if isinstance(value, float) and math.isnan(value) else value
