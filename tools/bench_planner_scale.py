@@ -201,7 +201,7 @@ def projection(rows, which, target=10**9):
   return out
 
 
-def throughput(index_dir, blocks, rounds=2):
+def throughput(index_dir, blocks, rounds=4):
   """Body tokens/s planning `blocks` blocks of a stage, v2 and v1 alternating; best round."""
   from maxlm.data import store
   index = store.load_index(index_dir)
@@ -315,7 +315,7 @@ def main(argv=None):
   ap.add_argument("--sizes", default="1e6,1e7,1e8")
   ap.add_argument("--old-max", type=float, default=1e7)
   ap.add_argument("--far", type=int, default=10**6, help="row to position at")
-  ap.add_argument("--blocks", type=int, default=24, help="blocks of 64x4096 tokens to plan")
+  ap.add_argument("--blocks", type=int, default=12, help="blocks of 64x4096 tokens to plan")
   ap.add_argument("--dir", help="where the synthetic indexes go (kept; default: a temp dir)")
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--child", choices=["first_batch", "position"])

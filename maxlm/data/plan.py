@@ -106,7 +106,7 @@ class Pool:
   def fill(self):
     """Tops the window up; an epoch's last pieces leave it before the next epoch's enter."""
     while len(self.window) < self.p.lookahead:
-      if not self.cut_queue and self._epoch_done() and self.window:
+      if self.window and not self.cut_queue and self.cursor >= self.n:  # (epoch >= 0 here)
         break
       self._add(self._next_piece())
 
