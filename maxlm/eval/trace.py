@@ -5,8 +5,9 @@ logs the loss of the batch trained on with the parameters after K updates, i.e. 
 checkpoint K, and the update itself produced checkpoint K + 1. Training is deterministic
 (batch k of stage s is a pure function of (data, config, s, k); the step is compiled the same
 way), so the parameters before step K are rebuilt from the newest checkpoint C <= K by
-rerunning the train steps C .. K - 1 (from the initial parameters when no such checkpoint is
-left), the same jitted functions `maxlm train` runs. Then:
+rerunning the train steps C .. K - 1 (from the seed's initial parameters when no such
+checkpoint is left, unless the run started from init.from), the same jitted functions
+`maxlm train` runs. Then:
   - the train step on batch K gives the replayed loss, which equals the logged one bit for
     bit on the run's device count (`exact`);
   - the per-position NLL of the same parameters on batch K (the eval step, micro-batch by
@@ -95,6 +96,11 @@ def _state_before(run_dir, config, data, vocab, g, log):
       found = ckpts.readable_before(step_no)
   finally:
     ckpts.close(rotate=False)
+  started = getattr(getattr(config, "init", None), "from_", "")
+  if started:
+    raise MaxlmError(f"no checkpoint at or before step {g} is left in {run_dir}, and the run "
+                     f"started from init.from {started}, not from its seed: step {g} cannot be "
+                     "replayed (keep more checkpoints: train.keep)")
   parts = loop.stage_parts(config, 0, vocab)
   return step_lib.init_state(parts.model, parts.opt, parts.mesh, config.rules, config.seed,
                              config.stages[0].seq_len), 0
