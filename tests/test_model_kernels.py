@@ -87,21 +87,22 @@ def test_splash_skips_exactly_the_invisible_tiles():
   assert counter.n == 3 * 2 * tiles  # forward, dQ and dK/dV kernels
 
 
-@pytest.mark.parametrize("length, dim, block", [(256, 32, 32), (250, 24, 64)])
-def test_triton_visits_only_each_blocks_key_range(length, dim, block):
+@pytest.mark.parametrize("length, dim, block, block_bwd", [(256, 32, 32, 32), (250, 24, 64, 32)])
+def test_triton_visits_only_each_blocks_key_range(length, dim, block, block_bwd):
   q, k, v, seg, w = inputs(length, heads=4, kv_heads=2, dim=dim, seed=length)
   counter = Counter()
-  fn = lambda q, k, v: triton_segments.gpu(q, k, v, seg, block=block, interpret=True,
-                                           mask_function=counter)[0]
+  fn = lambda q, k, v: triton_segments.gpu(q, k, v, seg, block=block, block_bwd=block_bwd,
+                                           interpret=True, mask_function=counter)[0]
   padded = jnp.pad(seg, [(0, 0), (0, -length % block)])
-  tiles = brute_force_tiles(seg, block, block)
+  tiles, tiles_bwd = brute_force_tiles(seg, block, block), brute_force_tiles(seg, block_bwd,
+                                                                             block_bwd)
   assert triton_segments.block_count(padded, block, block) == tiles
   jax.block_until_ready(fn(q, k, v))
   assert counter.n == 4 * tiles
   check(fn, q, k, v, seg, w)
   counter.n = 0
   jax.block_until_ready(jax.grad(lambda q, k, v: (fn(q, k, v) * w).sum(), (0, 1, 2))(q, k, v))
-  assert counter.n == 3 * 4 * tiles
+  assert counter.n == 4 * (tiles + 2 * tiles_bwd)  # forward, then the dQ and dK/dV kernels
 
 
 def test_triton_reports_the_max_logit_from_inside_the_kernel():

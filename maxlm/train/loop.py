@@ -25,6 +25,10 @@ from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimiz
                          rundir, spikes, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
+# Dispatch step k+1 before reading step k's metrics (read one step late; a step that is due to
+# evaluate, checkpoint or stop is read at once, so a non-finite state is never saved).
+# tools/bench_step_overlap.py turns it off to measure the gain.
+LOOKAHEAD = True
 
 
 def validate(config):
@@ -50,7 +54,7 @@ def validate(config):
     if shape["context"] > 1 and stage.seq_len % (2 * shape["context"]):
       raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
                        f"{2 * shape['context']} equal chunks for context parallelism")
-    impl = attention_lib.resolve(stage.attention)
+    impl = attention_lib.resolve(stage.attention, seq_len=stage.seq_len)
     multiple = {"splash": 128, "gpu": 16}.get(impl)  # rows of any length are padded to a tile
     if multiple and min(stage.block_q, 128 if impl == "gpu" else stage.block_q) % multiple:
       raise MaxlmError(f"stages.{i}.block_q={stage.block_q}: the {impl} kernel's tiles must be "
@@ -197,16 +201,33 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
       it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
       steps = stage.num_steps
       eta.start_stage()
+      ahead = None  # (batch, metrics on device) of step k, dispatched while k-1 ran
       for k in range(k0, steps):
-        batch = next(it)
         g = int(offsets[s]) + k
-        t0 = time.perf_counter()
-        with (log.phase(f"compiling the stage-{s} step (L={stage.seq_len}, batch {stage.batch})"
-                        f" and running step {k + 1}") if k == k0 else contextlib.nullcontext()):
+        last = k == steps - 1
+        stop = preempt.stop_at(g + 1) or (stop_after is not None and ran + 1 >= stop_after)
+        due = last or stop or (g + 1) % config.train.checkpoint_every == 0 or bool(
+            config.train.eval_every and (g + 1) % config.train.eval_every == 0)
+        if ahead is None:
+          batch = next(it)
+          t0 = time.perf_counter()
+          with (log.phase(f"compiling the stage-{s} step (L={stage.seq_len}, batch "
+                          f"{stage.batch}) and running step {k + 1}") if k == k0
+                else contextlib.nullcontext()):
+            with mesh:
+              state, m = step_fn(state, mesh_lib.place_batch(batch, mesh, config.rules))
+            if k == k0:
+              jax.block_until_ready(m)
+        else:
+          (batch, m), ahead = ahead, None
+        if LOOKAHEAD and not due:  # queue step k+1 before reading step k's metrics: the
+          nb = next(it)            # device never waits on the host (its batch is placed now)
           with mesh:
-            state, m = step_fn(state, mesh_lib.place_batch(batch, mesh, config.rules))
-          m = {key: float(v) for key, v in jax.device_get(m).items()}
+            state, m_next = step_fn(state, mesh_lib.place_batch(nb, mesh, config.rules))
+          ahead = (nb, m_next)
+        m = {key: float(v) for key, v in jax.device_get(m).items()}
         dt = time.perf_counter() - t0
+        t0 = time.perf_counter()  # step k+1's time starts when step k's metrics arrive
         real = int((batch["segment_ids"] > 0).sum()) * jax.process_count()
         flops = build.flops_per_token(model.cfg, stage.seq_len,
                                       build.mean_attended(batch["segment_ids"]))
@@ -231,8 +252,6 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         ckpts.check_errors()
         ran += 1
         _progress(log, eta, s, k, steps, g, total, m, row)
-        last = k == steps - 1
-        stop = preempt.stop_at(g + 1) or (stop_after is not None and ran >= stop_after)
         if last or stop or (g + 1) % config.train.checkpoint_every == 0:
           resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start,
                       detector.state(), init_from)

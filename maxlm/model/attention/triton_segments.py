@@ -168,12 +168,13 @@ def _specs(b, length, bq, bk, d, groups):
   }
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _attention(q, k, v, seg, scale, bq, bk, interpret, num_warps, mask_function):
-  return _forward(q, k, v, seg, scale, bq, bk, interpret, num_warps, mask_function)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function):
+  return _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function)[0]
 
 
-def _forward(q, k, v, seg, scale, bq, bk, interpret, num_warps, mask_function):
+def _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function):
+  bq = bk = blocks[0]
   b, length, h, d = q.shape
   sp = _specs(b, length, bq, bk, d, h // k.shape[2])
   start, stop = q_ranges(seg, bq, bk)
@@ -188,7 +189,8 @@ def _forward(q, k, v, seg, scale, bq, bk, interpret, num_warps, mask_function):
   return (out, m), (q, k, v, seg, out, lse)
 
 
-def _bwd(scale, bq, bk, interpret, num_warps, mask_function, res, cotangents):
+def _bwd(scale, blocks, interpret, num_warps, mask_function, res, cotangents):
+  bq = bk = blocks[1]
   q, k, v, seg, out, lse = res
   d_out, _ = cotangents  # the row maxima are reported, not differentiated
   b, length, h, d = q.shape
@@ -218,19 +220,22 @@ def _bwd(scale, bq, bk, interpret, num_warps, mask_function, res, cotangents):
 _attention.defvjp(lambda *a: _forward(*a), _bwd)
 
 
-def gpu(q, k, v, segment_ids, *, block=64, interpret=False, num_warps=4,
+def gpu(q, k, v, segment_ids, *, block=64, block_bwd=64, interpret=False, num_warps=None,
         mask_function=_causal):
   """q [B,L,H,D], k/v [B,L,K,D], segment_ids [B,L] -> ([B,L,H,D], the largest visible logit);
-  GQA, any length and head dim."""
+  GQA, any length and head dim. Tiles: `block` (forward), min(block, block_bwd) (backward:
+  three accumulators per tile, as jax's kernel uses smaller backward tiles)."""
   b, length, h, d = q.shape
   block = min(block, max(16, pl.next_power_of_2(length)))
+  blocks = (block, min(block, block_bwd))
   dp = max(16, pl.next_power_of_2(d))
+  num_warps = num_warps or (4 if dp <= 64 else 8)
   pad_l = -length % block
   if pad_l or dp != d:
     q, k, v = (jnp.pad(x, [(0, 0), (0, pad_l), (0, 0), (0, dp - d)]) for x in (q, k, v))
   seg = jnp.pad(segment_ids, [(0, 0), (0, pad_l)]).astype(jnp.int32)
-  out, m_BxHxL = _attention(q, k, v, seg, 1.0 / math.sqrt(d), block, block, interpret,
-                            num_warps, mask_function)
+  out, m_BxHxL = _attention(q, k, v, seg, 1.0 / math.sqrt(d), blocks, interpret, num_warps,
+                            mask_function)
   real = seg > 0
   peak = jnp.max(jnp.where(real[:, None, :], m_BxHxL, -jnp.inf)) / _LOG2E
   out = jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)[:, :length, :, :d]
