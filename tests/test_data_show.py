@@ -31,17 +31,18 @@ def test_padding_is_white_and_each_segment_is_named(tmp_path):
   seg = batch["segment_ids"][row]
   fig = show.row_figure(batch, row, "t", pieces[row])
   image = fig.axes[0].get_images()[0].get_array()[0]  # [L, 3] RGB of the segment strip
+  legend = fig.axes[1].get_legend()  # the axes under the strip holds its legend
   assert np.all(image[seg == 0] == 1.0)  # padding: white
   assert not np.any(np.all(image[seg > 0] == 1.0, axis=-1))  # pieces: never white
   for i in range(1, seg.max() + 1):  # one colour per piece, distinct from its neighbours
     assert len({tuple(c) for c in image[seg == i]}) == 1
-  labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  labels = [t.get_text() for t in legend.get_texts()]
   assert labels[0] == "padding (segment 0)"
   assert len(labels) == 1 + len(pieces[row]) == 1 + seg.max()
   for i, (label, piece) in enumerate(zip(labels[1:], pieces[row]), 1):
     assert label.startswith(f"{i}: {piece['source']}: {piece['doc_id']}, tokens "
                             f"{piece['start']}-{piece['end']}")
-    color = fig.axes[0].get_legend().legend_handles[i].get_facecolor()
+    color = legend.legend_handles[i].get_facecolor()
     assert np.allclose(mcolors.to_rgb(color), image[seg == i][0])
   out = tmp_path / "row.png"
   show.save_row_png(batch, row, str(out), "t", pieces[row])

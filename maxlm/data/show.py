@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 
 _MAX_PIXELS = 512
 _MAX_NAMED = 24  # pieces named in the legend; the rest are counted
+_MAX_ID = 70  # characters of a document id shown
 PADDING_RGB = (1.0, 1.0, 1.0)
 
 
@@ -40,8 +41,9 @@ def piece_label(piece):
   if piece.get("fim") not in (None, "none", 0):
     extra.append(f"FIM {piece['fim']}")
   more = f" ({', '.join(extra)})" if extra else ""
-  return (f"{piece['source']}: {piece['doc_id']}, tokens {piece['start']}-{piece['end']}"
-          f"{more}")
+  doc = str(piece["doc_id"])
+  doc = doc if len(doc) <= _MAX_ID else "..." + doc[-(_MAX_ID - 3):]  # a path's end names it
+  return f"{piece['source']}: {doc}, tokens {piece['start']}-{piece['end']}{more}"
 
 
 def row_figure(batch, row, title="", pieces=None):
@@ -57,7 +59,11 @@ def row_figure(batch, row, title="", pieces=None):
     padded = np.zeros((m * stride, m * stride), bool)
     padded[:L, :L] = vis
     vis = padded.reshape(m, stride, m, stride).any(axis=(1, 3))
-  fig, axes = plt.subplots(4, 1, figsize=(11, 13), height_ratios=[1, 1, 1, 8])
+  named = min(len(pieces or []), _MAX_NAMED) + 2
+  fig, axes = plt.subplots(5, 1, figsize=(11, 13 + 0.17 * named),
+                           height_ratios=[1, 0.17 * named, 1, 1, 8])
+  legend_ax, axes = axes[1], axes[[0, 2, 3, 4]]
+  legend_ax.axis("off")
   x = np.arange(L)
   axes[0].imshow(colors[seg][None, :, :], aspect="auto", interpolation="nearest",
                  extent=(-0.5, L - 0.5, 1, 0))
@@ -73,8 +79,8 @@ def row_figure(batch, row, title="", pieces=None):
   if pieces and len(pieces) > _MAX_NAMED:
     handles.append(mpatches.Patch(color="none", label=f"... {len(pieces) - _MAX_NAMED} more "
                                   "(maxlm batches writes them all)"))
-  axes[0].legend(handles=handles, fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-                 borderaxespad=0, title="segments", title_fontsize=7)
+  legend_ax.legend(handles=handles, fontsize=8, loc="upper left", borderaxespad=0,
+                   title="segments (legend)", title_fontsize=8, alignment="left", frameon=False)
   axes[1].plot(x, batch["positions"][row], lw=0.8)
   axes[1].set_ylabel("position")
   axes[1].set_xlim(-0.5, L - 0.5)

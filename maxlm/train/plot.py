@@ -118,7 +118,7 @@ def _loss(ax, rows):
     part = [r["loss"] for r in rows if r.get("stage", 0) == stage]
     smooth += ema(part, span)
   ax.plot(xs, smooth, lw=1.6, color="tab:blue", label=f"EMA over ~{span} steps")
-  ax.legend(fontsize=7, loc="upper right")
+  ax.legend(fontsize=7, loc="lower left")  # the stage names are along the top
 
 
 def _per_source(ax, rows, name):
@@ -130,7 +130,7 @@ def _per_source(ax, rows, name):
     xs, ys = _series(rows, f"{name}/{source}")
     ax.plot(xs, ys, "o--", lw=1, ms=2.5, label=source)
   if xs or sources:
-    ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(sources) + 1))
+    ax.legend(fontsize=7, loc="best", ncol=min(4, len(sources) + 1))
   else:
     ax.text(0.5, 0.5, "not evaluated yet (train.eval_every)", transform=ax.transAxes,
             ha="center", va="center", color="grey")
