@@ -4,8 +4,9 @@ plan before it (v1, read from git), side by side in one run, on synthetic indexe
   python tools/bench_planner_scale.py [--sizes 1e6,1e7,1e8] [--old-max 1e7] [--json]
 
 - first batch: RSS (total, anonymous = not file-backed, peak) and seconds from opening the
-  index to the pieces of batch 0 (L 4096, batch 64), each size and plan in a fresh process;
-  10^9 on paper from the slope of the two largest sizes;
+  index to the pieces of batch 0 (L 4096, batch 64), each size and plan in a fresh process,
+  with the index in the page cache and (cold_seconds) after evicting it; 10^9 on paper from
+  the slope of the two largest sizes;
 - position: a fresh process given the planner snapshot a checkpoint would hold, seconds to the
   pieces of a step, near the stage start and at row 10^6 (batch 1, L 2048 so that the snapshot
   can be made in the run); and without a snapshot (planning from the stage start);
@@ -177,14 +178,27 @@ def run_child(*argv):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def evict(path):
+  """Drops a folder's files from the page cache (this machine's only: a cold start)."""
+  for f in pathlib.Path(path).iterdir():
+    fd = os.open(f, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(fd)
+
+
 def first_batches(indexes, old_max):
   rows = []
   for n, path in indexes.items():
     for which in ("new", "old"):
       if which == "old" and n > old_max:
         continue
-      rows.append({"docs": n, "plan": which, **run_child("--child", "first_batch", "--index",
-                                                         path, "--plan", which)})
+      warm = run_child("--child", "first_batch", "--index", path, "--plan", which)
+      evict(path)
+      cold = run_child("--child", "first_batch", "--index", path, "--plan", which)
+      rows.append({"docs": n, "plan": which, **warm, "cold_seconds": cold["seconds"]})
   return rows
 
 
