@@ -231,6 +231,13 @@ def test_init_from_checks_the_hf_config_and_the_tokenizer(trained, tmp_path):
   (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(MaxlmError, match="1 tensors missing, e.g. model.layers.2.mlp.down_proj"):
     load.open_source(config, source_vocab(cfg), None, log=quiet)
+  shutil.copy(out / "model.safetensors.index.json", tmp_path / "hf")
+  shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]
+  shard.write_bytes(shard.read_bytes()[:1000])  # truncated: a copy cut short
+  source = load.open_source(config, source_vocab(cfg), None, log=quiet)
+  with pytest.raises(MaxlmError, match=f"cannot read {shard.name}"):
+    for name in source.names:
+      source.get(name)
 
 
 def test_init_from_syntax_is_checked_with_the_config():
@@ -263,6 +270,10 @@ def test_export_refuses_what_it_cannot_do(trained, tmp_path, monkeypatch):
     for name in names:
       reader.get(name)
   assert not (tmp_path / "x").exists()
+  stale = tmp_path / "y.tmp-999999999"  # left by an export that was killed
+  (stale / "sub").mkdir(parents=True)
+  export.export(cfg.run_dir, str(tmp_path / "y"), with_tokenizer=False, log=quiet)
+  assert not stale.exists() and (tmp_path / "y" / "config.json").exists()
 
 
 def test_export_command(trained, tmp_path):

@@ -47,14 +47,19 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   special, proto = _tokenizer(config, with_tokenizer)
   hf = hf_config.llama_config(config, meta, source.vocab, special, dtype)
   tmp = f"{os.path.abspath(out).rstrip('/')}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
+  _remove_stale(out)
   os.makedirs(tmp)
   try:
     files, total = write_model(tmp, hf, special, source, dtype, shard_bytes)
     if proto is not None:
       tokenizer.write(tmp, proto, special, hf["max_position_embeddings"])
-    if os.path.exists(out):
+    if os.path.exists(out) and (os.listdir(out) if os.path.isdir(out) else True):
+      if not overwrite:
+        raise MaxlmError(f"--out {out} appeared while exporting (another export?); this one "
+                         "is not written: choose another folder")
       shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
+    elif os.path.isdir(out):
+      os.rmdir(out)
     os.rename(tmp, out)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -64,6 +69,15 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   return {"out": out, "step": source.step, "stage": hf["maxlm"]["stage"], "files": files,
           "tensors": len(source.names()), "bytes": total,
           "seconds": time.perf_counter() - t0}
+
+
+def _remove_stale(out):
+  """Removes the temporary folders of exports to `out` whose process is gone (killed)."""
+  parent, name = os.path.split(os.path.abspath(out).rstrip("/"))
+  for entry in os.listdir(parent) if os.path.isdir(parent) else ():
+    pid = entry[len(name) + len(".tmp-"):]
+    if entry.startswith(name + ".tmp-") and pid.isdigit() and not io.process_alive(int(pid)):
+      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
 def _tokenizer(config, with_tokenizer):

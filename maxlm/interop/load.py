@@ -45,8 +45,14 @@ class HfFolder:
       raise MaxlmError(f"init.from {path}: config.json unreadable ({e})") from None
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-      with open(index) as f:
-        self.files = {n: os.path.join(path, file) for n, file in json.load(f)["weight_map"].items()}
+      try:
+        with open(index) as f:
+          weight_map = json.load(f)["weight_map"]
+        self.files = {n: os.path.join(path, os.path.basename(file))
+                      for n, file in weight_map.items()}
+      except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MaxlmError(f"init.from {path}: model.safetensors.index.json unreadable "
+                         f"({type(e).__name__}: {e})") from None
     else:
       files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
       if not files:
@@ -54,21 +60,27 @@ class HfFolder:
                          "not read: save them with safe_serialization=True)")
       self.files = {}
       for file in files:
-        with safe_open(file, framework="np") as f:
-          self.files.update({n: file for n in f.keys()})
+        self.files.update({n: file for n in self._file(file).keys()})
     self._open = {}
+
+  def _file(self, file):
+    try:
+      return safe_open(file, framework="np")
+    except Exception as e:  # noqa: BLE001 (a missing or damaged file)
+      raise MaxlmError(f"init.from {self.path}: cannot read {os.path.basename(file)} "
+                       f"({e})") from None
 
   def get(self, name):
     file = self.files.get(name)
     if file is None:
       raise MaxlmError(f"init.from {self.path}: tensor {name} is missing")
     if file not in self._open:
-      try:
-        self._open[file] = safe_open(file, framework="np")
-      except Exception as e:  # noqa: BLE001 (a missing or damaged file)
-        raise MaxlmError(f"init.from {self.path}: cannot read {os.path.basename(file)} "
-                         f"({e})") from None
-    return self._open[file].get_tensor(name).astype(np.float32)
+      self._open = {file: self._file(file)}  # one file open at a time
+    try:
+      return self._open[file].get_tensor(name).astype(np.float32)
+    except Exception as e:  # noqa: BLE001 (a truncated or damaged file)
+      raise MaxlmError(f"init.from {self.path}: cannot read {name} from "
+                       f"{os.path.basename(file)} ({e})") from None
 
 
 @dataclasses.dataclass
@@ -150,8 +162,8 @@ def _checked(get, shapes, where):
 
 def _check_tokenizer(theirs, ours, where, log):
   if theirs is None or ours is None:
-    log(f"note: {where}: tokenizer not compared (not found on both sides): make sure this "
-        "data dir was prepared with the source's tokenizer")
+    log(f"note: {where}: tokenizer not compared (no tokenizer.model on one side): make sure "
+        "this data dir was prepared with the source's tokenizer")
   elif hashlib.sha256(theirs).digest() != hashlib.sha256(ours).digest():
     raise MaxlmError(f"{where}: its tokenizer differs from this data dir's, so token ids "
                      "would mean other pieces: prepare the data with --tokenizer and the "
