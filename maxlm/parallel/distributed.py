@@ -21,6 +21,7 @@ not synchronize the step pipeline:
 import hashlib
 import importlib.util
 import itertools
+import json
 import os
 import re
 
@@ -130,6 +131,23 @@ def agree(what, decide):
   if verdict.startswith("E"):
     raise MaxlmError(verdict[1:])
   return None
+
+
+def gather_json(what, value):
+  """[every process's value] on process 0 (in process order), None on the others; each
+  process calls it the same number of times."""
+  if not multi():
+    return [value]
+  key = f"maxlm/gather/{next(_agreements)}/{what}"
+  me = jax.process_index()
+  if me:
+    client().key_value_set(f"{key}/{me}", json.dumps(value))
+    return None
+  out = [value]
+  for p in range(1, jax.process_count()):
+    out.append(json.loads(client().blocking_key_value_get(f"{key}/{p}", _WAIT_MS)))
+    client().key_value_delete(f"{key}/{p}")
+  return out
 
 
 def _row_digests(batch):

@@ -17,9 +17,14 @@ sits on the save's critical path. `tools/bench_checkpoint.py` measures all three
 machine (one thread: XXH3-64 ~40 GB/s, CRC-32 ~7, SHA-256 ~1.9) and the cost of the checks
 against plain Orbax saves and restores (docs/checkpoints.md).
 
-Arrays are digested whole, so a checkpoint verifies on any mesh. In a multi-process run an
-array that is not fully addressable is digested per addressable shard (keyed by its global
-index); process 0 writes the metadata, so there only process 0's shards are checked.
+Arrays are digested whole when one process holds them. In a multi-process run an array that
+is not fully addressable is digested per shard (keyed by its global index, `name@0:4,0:32`),
+each process its own shards; process 0 collects every process's digests through the JAX
+distributed client's key-value store and writes them all. A restore checks every saved digest
+whatever the new layout: a digest the restored arrays do not produce as such is recomputed
+from the saved piece (a slice of a whole array, or of the local shard that contains it), and
+a whole-array digest on a process that holds only shards is checked on the array gathered
+from every process (once, when resuming on more processes than saved).
 """
 
 import concurrent.futures
@@ -57,15 +62,47 @@ def _leaf_digests(name, x):
   return out
 
 
-def array_digests(tree):
-  """{path: "dtype[shape]:xxh3"} for every leaf, digested on a few threads."""
+def array_digests(tree, everywhere=False):
+  """{path: "dtype[shape]:xxh3"} for every leaf, digested on a few threads. everywhere: in
+  a multi-process job, every process's shards (on process 0; {} on the others)."""
   leaves = [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
   if sum(x.nbytes for _, x in leaves) < 256 * 2**20:  # threads cost more than they save
     parts = [_leaf_digests(*item) for item in leaves]
   else:
     with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
       parts = list(pool.map(lambda item: _leaf_digests(*item), leaves))
-  return {k: v for part in parts for k, v in part.items()}
+  digests = {k: v for part in parts for k, v in part.items()}
+  if everywhere:
+    from maxlm.parallel import distributed
+    merged = distributed.gather_json("digests", digests)
+    return {k: v for d in merged for k, v in d.items()} if merged is not None else {}
+  return digests
+
+
+def _where(text):
+  return tuple(slice(int(a), int(b)) for a, b in (part.split(":") for part in text.split(",")))
+
+
+def _piece_digest(x, where):
+  """The digest of the saved piece `where` of the restored array x ('' for the whole array),
+  or None when this process holds no copy of that piece."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    array = np.asarray(x)
+    piece = array[_where(where)] if where else array
+    return f"{array.dtype}{list(piece.shape)}:{_hash(piece)}"
+  if not where:
+    from jax.experimental import multihost_utils
+    whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return f"{whole.dtype}{list(whole.shape)}:{_hash(whole)}"
+  want = _where(where)
+  for shard in x.addressable_shards:
+    have = [slice(s.start or 0, s.stop if s.stop is not None else n)
+            for s, n in zip(shard.index, x.shape)]
+    if all(h.start <= w.start and w.stop <= h.stop for h, w in zip(have, want)):
+      data = np.asarray(shard.data)
+      piece = data[tuple(slice(w.start - h.start, w.stop - h.start) for h, w in zip(have, want))]
+      return f"{x.dtype}{list(piece.shape)}:{_hash(piece)}"
+  return None
 
 
 def _meta_hash(meta):
@@ -76,8 +113,9 @@ def _meta_hash(meta):
 
 
 def seal(meta, state, iterator_state):
-  """Adds the digests of the state, the iterator state and the metadata itself to meta."""
-  meta = {**meta, "integrity": {"version": VERSION, "arrays": array_digests(state),
+  """Adds the digests of the state (of every process's shards), the iterator state and the
+  metadata itself to meta (called by every process; process 0's meta is the one written)."""
+  meta = {**meta, "integrity": {"version": VERSION, "arrays": array_digests(state, True),
                                 "iterator": iterator_state}}
   meta["integrity"]["meta"] = _meta_hash(meta)
   return meta
@@ -110,8 +148,17 @@ def check_state(step, meta, state):
   if not is_sealed(meta):
     return
   want, got = meta["integrity"]["arrays"], array_digests(state)
+  leaves = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
   bad = sorted(k for k in got if k in want and want[k] != got[k])
-  missing = sorted(k for k in want if k not in got and "@" not in k)
+  missing = []
+  for key in sorted(k for k in want if k not in got):  # the same order on every process
+    name, _, where = key.partition("@")
+    if name not in leaves:
+      missing.append(key)
+      continue
+    digest = _piece_digest(leaves[name], where)
+    if digest is not None and digest != want[key]:
+      bad.append(key)
   if bad or missing:
     names = ", ".join((bad + missing)[:3]) + (", ..." if len(bad) + len(missing) > 3 else "")
     raise CorruptCheckpoint(step, f"{len(bad) + len(missing)} of {len(want)} arrays differ "
