@@ -2,12 +2,14 @@
 over gloo (maxlm/parallel/distributed.py), against 1 process x 4 devices.
 
 Every run here is `maxlm train` in subprocesses, as a user starts it, on a one-stage tiny
-config; the reference is one uninterrupted 1 x 4 run. Two processes give bitwise the same
-losses as one (the same XLA program on the same 4-device mesh; the gloo all-reduce of 2
-processes adds in the order the in-process one does here), so every run is compared
-bitwise to the reference: batch fingerprints (the digest of every row's digest in global
-order, so equal fingerprints mean process p supplied exactly its own rows of the global batch),
-losses, gradient norms and validation losses.
+config; the reference is one uninterrupted 1 x 4 run with `distributed: true`, whose CPU
+collectives are then gloo's too. Two processes give bitwise the same losses as that one (the
+same XLA program on the same 4-device mesh, the same gloo all-reduce), so every run is
+compared bitwise to it: batch fingerprints (the digest of every row's digest in global order,
+so equal fingerprints mean process p supplied exactly its own rows of the global batch),
+losses, gradient and parameter norms, validation losses and loss tokens. A plain
+one-process run (XLA's in-process all-reduce) reads the same batches and matches to the last
+bits of float32 (relative 1e-6).
 """
 
 import json
@@ -143,6 +145,15 @@ def test_two_processes_log_the_losses_of_one_and_only_process_0_writes(config, r
   assert pids == {holder["pid"]}, "process 1 wrote an event file, or process 0 did not hold"
   assert all("run_dir:" in out for _, out, _ in results)
 
+  # one plain process (XLA's in-process all-reduce, not gloo): the same batches, and losses
+  # equal but for the last bits of the float32 sums, which add in another order
+  plain = tmp_path / "plain"
+  train(config, plain, 1, "distributed=false")
+  got = rows(plain)
+  for step, row in reference.items():
+    assert got[step]["fingerprint"] == row["fingerprint"]
+    assert got[step]["loss"] == pytest.approx(row["loss"], rel=1e-6, abs=0)
+
 
 def test_preemption_of_process_1_saves_one_step_on_both_and_resumes_bitwise_on_one(
     config, reference, tmp_path):
@@ -159,7 +170,8 @@ def test_preemption_of_process_1_saves_one_step_on_both_and_resumes_bitwise_on_o
     stops.append(int(line.split()[3]))
   (step,) = set(stops)
   assert step < STEPS and os.path.isdir(run_dir / "checkpoints" / str(step))
-  train(config, run_dir, 1)  # 2 -> 1 process: the same batches, bitwise
+  (result,) = train(config, run_dir, 1)  # 2 -> 1 process: the same batches, bitwise
+  assert f"resumed from checkpoint {step} " in result[1]
   assert_same(reference, run_dir)
 
 
@@ -167,12 +179,15 @@ def test_kill_of_both_then_resume_on_two_from_a_one_process_run(config, referenc
   run_dir = tmp_path / "run"
   train(config, run_dir, 1, "--stop-after", "2")
   procs = start(config, run_dir, 2)  # 1 -> 2 processes
-  wait_for_step(run_dir, 4, procs)
+  wait_for_step(run_dir, 5, procs)
   for p in procs:
     p.send_signal(signal.SIGKILL)
-  finish(procs)
+  killed = finish(procs)
+  assert "resumed from checkpoint 2 " in killed[0][1]
   assert max(rows(run_dir)) < STEPS - 1
-  train(config, run_dir, 2)
+  saved = max(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())
+  results = train(config, run_dir, 2)
+  assert f"resumed from checkpoint {saved} " in results[0][1]
   assert_same(reference, run_dir)
 
 
@@ -191,7 +206,8 @@ def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, r
   assert len(lines) == 1 and lines[0].startswith("maxlm train: error:"), err[-2000:]
   assert "Traceback" not in err and "Terminating process" not in err, err[-2000:]
   assert waited < 4 + 30, waited  # the timeout, one beat, and a loaded machine
-  train(config, run_dir, 2)
+  results = train(config, run_dir, 2)
+  assert "resumed from checkpoint" in results[0][1]
   assert_same(reference, run_dir)
 
 
