@@ -198,7 +198,8 @@ def test_check_data_finds_a_same_size_change_the_open_check_cannot(tmp_path):
   open_data(root)  # the cheap check at open passes: same size
   bad = subprocess.run(maxlm, capture_output=True, text=True)
   assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-  assert f"1 of {n} files differ from their SHA-256 in manifest.json (tokens-00000.bin)" in bad.stderr
+  assert (f"1 of {n} files differ from their SHA-256 in manifest.json (tokens-00000.bin)"
+          in bad.stderr)
 
 
 def test_prepare_from_the_command_line_prints_no_traceback(tmp_path, tok):
