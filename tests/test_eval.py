@@ -123,9 +123,13 @@ def test_pack_places_whole_documents_and_a_long_one_does_not_crowd_out_the_rest(
   data_dir = datagen.write_data_dir(tmp_path / "d", docs)
   index = loader.Data(config_lib.from_dict({**config_lib.to_dict(datagen.make_config(
       [{"seq_len": 32, "batch": 1, "steps": 1}])), "data": {"dir": data_dir}})).index
-  rows, complete = bpb.pack(index, [0, 1, 2, 3], 32, 4, 0.5, max_rows=4)
-  assert complete == [1, 2, 3] and {p[1] for r in rows for p in r} == {1, 2, 3}
-  assert all(sum(p[3] - p[2] for p in r) <= 32 for r in rows) and len(rows) <= 4
+  rows, complete = bpb.pack(index, [0, 1, 2, 3], 32, 4, 0.5, max_rows=6)
+  assert complete == [1, 2, 3] and len(rows) == 6
+  body = {d: sum(p[3] - p[2] for r in rows for p in r if p[1] == d) for d in range(4)}
+  assert [body[1], body[2], body[3]] == [20, 30, 40]
+  assert 0 < body[0] < 500  # the long one fills the room left, from its start, loss only
+  assert min(p[2] for r in rows for p in r if p[1] == 0) == 0
+  assert all(sum(p[3] - p[2] for p in r) <= 32 for r in rows)
   # nothing fits whole: the first document fills the rows, for the loss only
   rows, complete = bpb.pack(index, [0, 4], 32, 4, 0.5, max_rows=3)
   assert complete == [] and len(rows) == 3 and {p[1] for r in rows for p in r} == {0}

@@ -12,14 +12,14 @@ an evaluation at step 100 scores exactly the rows of the one at step 50:
   2. A source's documents are taken in a fixed permutation (seeded by the source's name, not by
      the run's seed, so runs with different seeds are scored on the same rows and adding a
      source does not change another's), cut like training documents (with the same overlap as
-     read-only context) and first-fit packed, whole documents only, into its rows (`pack`).
-     So loss and bits per byte are over the same documents, and a long document that does not
-     fit does not crowd out the short ones after it.
+     read-only context) and first-fit packed into its rows (`pack`): whole documents first,
+     passing over those that do not fit, so a long document does not crowd out the short ones
+     after it; then the passed-over ones fill the room left from their start, for the loss.
 The rows depend only on the data dir, the split, seq_len, data.overlap, data.min_cut and
 max_rows: not on the batch size, the hosts or the step.
 
-Bits per byte: the summed NLL of a whole document's tokens (in nats) over ln 2 and over the
-UTF-8 bytes of its original text. Chat documents count
+A document counts toward bits per byte only if all of it was evaluated: the summed NLL of its
+tokens (in nats) over ln 2 and over the UTF-8 bytes of its original text. Chat documents count
 toward the loss but not toward bits per byte, since only their replies are scored.
 """
 
@@ -41,31 +41,31 @@ def source_order(index, source, split=store.VAL):
 
 
 def pack(index, docs, seq_len, overlap, min_cut, max_rows, patience=64):
-  """(rows of pieces, documents in them): whole documents first-fit packed in the given order
-  into at most max_rows rows. A document that does not fit whole is passed over; packing ends
-  once all rows are open and `patience` documents in a row have not fit. If no document fits
-  whole (each is longer than the rows), the first one fills the rows as far as it goes, and
-  counts toward the loss only."""
-  rows, space, complete, misses = [], [], [], 0
+  """(rows of pieces, documents in them whole): docs first-fit packed in the given order into
+  at most max_rows rows, in two passes. First whole documents: one that does not fit whole is
+  passed over, and the pass ends once all rows are open and `patience` documents in a row have
+  not fit. Then the passed-over documents, in the same order, fill the room left piece by
+  piece from their start (for the loss only: bits per byte needs the whole document), so a
+  source of long documents still fills its rows."""
+  rows, space, complete, passed = [], [], [], []
   for doc in docs:
     pieces = _pieces(index, doc, seq_len, overlap, min_cut)
     slots = _first_fit([size for size, _ in pieces], space, seq_len, max_rows)
     if slots is None:
-      misses += 1
-      if len(rows) == max_rows and misses >= patience:
+      passed.append(pieces)
+      if len(rows) == max_rows and len(passed) >= patience and all(
+          p is not None for p in passed[-patience:]):
         break
       continue
-    misses = 0
+    passed.append(None)  # a fit: the run of misses starts again
     _place(rows, space, seq_len, pieces, slots)
     complete.append(doc)
-  if not rows and docs and max_rows:
-    pieces = _pieces(index, docs[0], seq_len, overlap, min_cut)
-    fits = 0
-    while fits < len(pieces) and _first_fit([sz for sz, _ in pieces[:fits + 1]], space, seq_len,
-                                            max_rows) is not None:
-      fits += 1
-    _place(rows, space, seq_len, pieces[:fits],
-           _first_fit([sz for sz, _ in pieces[:fits]], space, seq_len, max_rows))
+  for pieces in (p for p in passed if p is not None):
+    for piece in pieces:
+      slots = _first_fit([piece[0]], space, seq_len, max_rows)
+      if slots is None:
+        break
+      _place(rows, space, seq_len, [piece], slots)
   return rows, complete
 
 
