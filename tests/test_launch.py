@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,20 +47,99 @@ def test_tpu_create_setup_run_delete(accelerator, queued):
   assert all("--worker=all" in line for line in lines[1:])
   assert "maxlm[tpu]" in lines[2][-1] and "python3.11 -m venv" in lines[2][-1]
 
-  lines, _ = script("launch/tpu.sh", "run", *base, "--run-dir", "gs://b/run1",
-                    "configs/schedule_4k_1m.yaml", "train.keep=3")
-  (run,) = lines
+  lines, _ = script("launch/tpu.sh", "run", *base, "--accelerator", accelerator, "--run-dir",
+                    "gs://b/run1", "configs/schedule_4k_1m.yaml", "train.keep=3",
+                    "data.dir=gs://b/data")
+  ship, run = lines
+  assert ship[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"] and "--worker=all" in ship
+  assert ship[5:7] == ["configs/schedule_4k_1m.yaml", "lm:maxlm-run.yaml"]
   assert run[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"] and "--worker=all" in run
   remote = run[-1]
-  assert "maxlm train configs/schedule_4k_1m.yaml train.keep=3 run_dir=gs://b/run1" in remote
+  assert ("maxlm train $HOME/maxlm-run.yaml train.keep=3 data.dir=gs://b/data "
+          "run_dir=gs://b/run1") in remote
   assert "distributed=true" in remote and "nohup setsid" in remote
   assert ">> $HOME/maxlm-logs/train-$(hostname).log" in remote
+  assert "echo $! > $HOME/maxlm-logs/train.pid" in remote
 
   lines, _ = script("launch/tpu.sh", "logs", *base, "--out", "here")
   assert lines[0] == ["mkdir", "-p", "here"] and "--worker=all" in lines[1]
 
   lines, _ = script("launch/tpu.sh", "delete", *base, *(["--queued"] if queued else []))
   assert lines[0][3] == ("queued-resources" if queued else "tpu-vm") and "delete" in lines[0]
+
+
+@pytest.mark.parametrize("accelerator, image", [
+    ("v4-32", "tpu-ubuntu2204-base"), ("v5p-8", "v2-alpha-tpuv5"),
+    ("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v6e-8", "v2-alpha-tpuv6e")])
+def test_tpu_runtime_image_follows_the_accelerator(accelerator, image):
+  base = ["--name", "lm", "--zone", "z", "--dry-run", "--accelerator", accelerator]
+  (create,), _ = script("launch/tpu.sh", "create", *base)
+  assert create[create.index("--version") + 1] == image
+  lines, _ = script("launch/tpu.sh", "create", *base, "--queued", "--version", "mine")
+  assert lines[0][lines[0].index("--runtime-version") + 1] == "mine"
+
+
+def test_tpu_unknown_accelerator_is_one_line():
+  _, err = script("launch/tpu.sh", "create", "--name", "a", "--zone", "z", "--dry-run",
+                  "--accelerator", "v9-8", ok=False)
+  assert "unknown accelerator 'v9-8'" in err and err.count("\n") == 1
+
+
+def test_tpu_queued_create_waits_until_active(tmp_path):
+  """A stand-in gcloud answers WAITING_FOR_RESOURCES twice, then ACTIVE."""
+  fake = tmp_path / "gcloud"
+  fake.write_text("#!/bin/bash\necho \"$*\" >> \"$CALLS\"\n"
+                  "if [[ \"$*\" == *describe* ]]; then n=$(grep -c describe \"$CALLS\"); "
+                  "if (( n < 3 )); then echo WAITING_FOR_RESOURCES; else echo ACTIVE; fi; fi\n")
+  fake.chmod(0o755)
+  env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CALLS": str(tmp_path / "calls"),
+         "MAXLM_TPU_POLL_S": "0"}
+  _, err = script("launch/tpu.sh", "create", "--name", "lm", "--zone", "z", "--queued",
+                  "--accelerator", "v5litepod-8", env=env)
+  calls = (tmp_path / "calls").read_text().splitlines()
+  assert calls[0].startswith("compute tpus queued-resources create lm")
+  assert [c.split()[3] for c in calls[1:]] == ["describe"] * 3
+  assert "lm is WAITING_FOR_RESOURCES after" in err and "lm is ACTIVE after" in err
+  lines, _ = script("launch/tpu.sh", "create", "--name", "lm", "--zone", "z", "--queued",
+                    "--no-wait", "--dry-run")
+  assert len(lines) == 1
+
+
+def test_tpu_run_refuses_a_local_data_dir_on_a_pod_or_uploads_it(tmp_path):
+  base = ["--name", "lm", "--zone", "z", "--dry-run", "--run-dir", "gs://b/r"]
+  data = tmp_path / "my data"
+  data.mkdir()
+  _, err = script("launch/tpu.sh", "run", *base, "--accelerator", "v5litepod-32",
+                  "configs/demo.yaml", f"data.dir={data}", ok=False)
+  assert "is not in gs://" in err and "8 host(s)" in err and "--upload-data" in err
+  _, err = script("launch/tpu.sh", "run", *base, "configs/demo.yaml", f"data.dir={data}",
+                  ok=False)  # one host, but the folder is on this machine
+  assert "--upload-data" in err
+  lines, _ = script("launch/tpu.sh", "run", *base, "--accelerator", "v5litepod-32",
+                    "--upload-data", "configs/demo.yaml", f"data.dir={data}")
+  tar, scp, unpack, ship, run = lines
+  assert tar[:2] == ["tar", "-cf"] and tar[-3:] == ["-C", str(tmp_path), "my data"]
+  assert scp[4] == "scp" and "--worker=all" in scp and "--worker=all" in unpack
+  assert "tar -xf $HOME/maxlm-data.tar -C $HOME/maxlm-data" in unpack[-1]
+  assert ship[5] == "configs/demo.yaml"
+  assert "maxlm train $HOME/maxlm-run.yaml data.dir=$HOME/maxlm-data/my\\ data " in run[-1]
+  _, err = script("launch/tpu.sh", "run", *base, "--accelerator", "v4-16", "configs/demo.yaml",
+                  "data.dir=gs://b/d", "init.from=/local/run", ok=False)
+  assert "init.from /local/run is not in gs://" in err
+  _, err = script("launch/tpu.sh", "run", *base, "configs/demo.yaml", "modle.size=1b",
+                  ok=False)
+  assert "did you mean 'model'" in err and err.count("\n") == 1
+
+
+def test_tpu_status_and_stop():
+  base = ["--name", "lm", "--zone", "z", "--dry-run"]
+  lines, _ = script("launch/tpu.sh", "status", *base, "--queued")
+  assert [line[3:5] for line in lines] == [["queued-resources", "describe"],
+                                           ["tpu-vm", "describe"], ["tpu-vm", "ssh"]]
+  assert "--worker=all" in lines[2] and "train.pid" in lines[2][-1]
+  (stop,), _ = script("launch/tpu.sh", "stop", *base)
+  assert "--worker=all" in stop and "kill -TERM $pid" in stop[-1]
+  assert "while kill -0 $pid" in stop[-1]  # waits until every worker has saved and exited
 
 
 def test_tpu_errors_say_what_is_missing():
@@ -144,3 +224,46 @@ def test_partial_maxlm_variables_are_an_error():
   with pytest.raises(MaxlmError, match="MAXLM_PROCESS_ID missing"):
     mesh.initialize_distributed(True, env={"MAXLM_COORDINATOR": "h:1",
                                            "MAXLM_NUM_PROCESSES": "2"})
+
+
+@pytest.mark.parametrize("path, devices, device_gib", [
+    ("configs/tpu_v5e8_150m.yaml", 8, 16),  # v5e: 16 GiB HBM per chip
+    ("configs/gpu_1x_1b.yaml", 1, 80 * 1e9 / 2**30)])  # the smallest GPU it is meant for
+def test_starter_configs_divide_and_fit(path, devices, device_gib):
+  """Every parameter and the batch divide over the mesh on the devices the config is for,
+  and the memory estimate (maxlm/parallel/memory.py) leaves a quarter of a device free."""
+  from maxlm import config as config_lib
+  from maxlm.model import build
+  from maxlm.parallel import memory, mesh
+  from maxlm.train import loop
+  cfg = config_lib.load(os.path.join(ROOT, path))
+  vocab = cfg.model.vocab_size
+  assert vocab, "a starter config fixes its vocabulary, so its memory is known"
+  params = build.param_axes(cfg, vocab)
+  for i, stage in enumerate(cfg.stages):
+    shape = dict(zip(config_lib.MESH_AXES, mesh.mesh_shape(stage.mesh, devices)))
+    loop._check_params_divide(i, shape, cfg.rules, params)
+    ways = int(np.prod([shape[a] for a in cfg.rules["batch"]]))
+    assert (stage.batch // cfg.train.grad_accum) % ways == 0
+    need = memory.estimate(cfg, i, devices, vocab)
+    assert need["total"] < 0.75 * device_gib * 2**30, {k: v / 2**30 for k, v in need.items()}
+    assert need["state"] > 0 and need["activations"] > 0
+
+
+def test_memory_estimate_follows_sharding_remat_and_batch():
+  from maxlm import config as config_lib
+  from maxlm.parallel import memory
+  cfg = config_lib.load(os.path.join(ROOT, "configs/tpu_v5e8_150m.yaml"))
+  on8, on4 = (memory.estimate(cfg, 0, n, 32768) for n in (8, 4))
+  assert on4["state"] == pytest.approx(2 * on8["state"], rel=0.01)  # fsdp halves it
+  assert on4["activations"] == pytest.approx(2 * on8["activations"])  # twice the rows
+  none = memory.estimate(config_lib.load(os.path.join(ROOT, "configs/tpu_v5e8_150m.yaml"),
+                                         ["model.remat=none"]), 0, 8, 32768)
+  assert none["activations"] > 3 * on8["activations"]
+  half = memory.estimate(config_lib.load(os.path.join(ROOT, "configs/tpu_v5e8_150m.yaml"),
+                                         ["train.grad_accum=2"]), 0, 8, 32768)
+  assert half["activations"] == pytest.approx(on8["activations"] / 2)
+  # the state: 16 bytes per parameter, over 8 ways of fsdp (norm scales are replicated)
+  from maxlm.model import build
+  n = sum(int(np.prod(d)) for _, d, _ in build.param_axes(cfg, 32768))
+  assert 16 * n / 8 <= on8["state"] < 16 * n / 8 * 1.01
