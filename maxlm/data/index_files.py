@@ -11,6 +11,8 @@ Besides what prepare always recorded, three arrays exist so that nothing has to 
 corpus to plan: `index-chat.npy` (is_chat per document), `index-pool_docs.npy` (the training
 documents, grouped by source, ascending within each) with `index-pool_ptr.npy` (where each
 source's group starts) and `index-pool_tokens.npy` (each source's training tokens).
+`pool_docs` is 4 bytes per document (uint32 below 2^32 documents): 4 GB at 10^9, which is why
+it is a file to map, never an array a process builds for itself.
 
 gs:// (any object store): the index files are copied to a local cache the first time they are
 opened (ranged reads of 64 MiB, each file's sha256 checked against the manifest) and mapped
