@@ -267,3 +267,53 @@ def test_memory_estimate_follows_sharding_remat_and_batch():
   from maxlm.model import build
   n = sum(int(np.prod(d)) for _, d, _ in build.param_axes(cfg, 32768))
   assert 16 * n / 8 <= on8["state"] < 16 * n / 8 * 1.01
+
+
+SKYPILOT = os.path.join(ROOT, "launch/skypilot.yaml")
+
+
+def test_skypilot_task_parses_with_skypilots_own_parser():
+  sky = pytest.importorskip("sky", reason="SkyPilot is not installed: pip install skypilot "
+                            "(in a side venv) to check launch/skypilot.yaml with its parser")
+  from maxlm.parallel import watchdog
+  task = sky.Task.from_yaml(SKYPILOT)
+  (res,) = task.resources
+  assert res.accelerators == {"tpu-v5litepod-8": 1} and res.use_spot
+  (create,), _ = script("launch/tpu.sh", "create", "--name", "a", "--zone", "z", "--dry-run",
+                        "--accelerator", "v5litepod-8")
+  assert res.accelerator_args["runtime_version"] == create[create.index("--version") + 1]
+  recover = res.job_recovery["recover_on_exit_codes"]
+  assert watchdog.EXIT_LOST in recover and 134 in recover
+  assert res.job_recovery["max_restarts_on_errors"] == 0  # a bad config is not retried
+  assert os.path.isfile(os.path.join(ROOT, task.envs["CONFIG"]))
+  assert task.envs["RUN_DIR"].startswith("gs://") and task.workdir == "."
+  task.set_resources_override({"accelerators": "H100:1"})  # the GPU variant in its header
+  assert list(task.resources)[0].accelerators == {"H100": 1}
+
+
+@pytest.mark.parametrize("extra, nodes, rank, want", [
+    ("tpu", "1", "0", {"distributed": "true"}),
+    ("cuda", "1", "0", {"distributed": "false"}),
+    ("cuda", "2", "1", {"distributed": "true", "MAXLM_COORDINATOR": "10.0.0.5:12355",
+                        "MAXLM_NUM_PROCESSES": "2", "MAXLM_PROCESS_ID": "1"})])
+def test_skypilot_run_section_starts_maxlm_train(tmp_path, extra, nodes, rank, want):
+  """The task's `run` script, with a stand-in maxlm that reports what it was given."""
+  import yaml
+  task = yaml.safe_load(open(SKYPILOT))
+  fake = tmp_path / "venv" / "bin" / "maxlm"
+  fake.parent.mkdir(parents=True)
+  fake.write_text("#!/bin/bash\necho \"ARGS $*\"\n"
+                  "echo \"ENV ${MAXLM_COORDINATOR:-} ${MAXLM_NUM_PROCESSES:-} "
+                  "${MAXLM_PROCESS_ID:-}\"\n")
+  fake.chmod(0o755)
+  env = {**{k: str(v) for k, v in task["envs"].items()}, "EXTRA": extra,
+         "MAXLM_VENV": str(tmp_path / "venv"), "SKYPILOT_NUM_NODES": nodes,
+         "SKYPILOT_NODE_RANK": rank, "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6",
+         "PATH": os.environ["PATH"]}
+  proc = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr
+  args, got_env = proc.stdout.splitlines()
+  assert args == (f"ARGS train {task['envs']['CONFIG']} run_dir={task['envs']['RUN_DIR']} "
+                  f"data.dir={task['envs']['DATA_DIR']} distributed={want['distributed']}")
+  assert got_env.split()[1:] == [want[k] for k in ("MAXLM_COORDINATOR", "MAXLM_NUM_PROCESSES",
+                                                   "MAXLM_PROCESS_ID") if k in want]
