@@ -175,19 +175,11 @@ def test_preemption_of_process_1_saves_one_step_on_both_and_resumes_bitwise_on_o
   assert_same(reference, run_dir)
 
 
-def test_kill_of_both_then_resume_on_two_from_a_one_process_run(config, reference, tmp_path):
+def test_a_one_process_run_resumes_on_two_with_the_same_batches(config, reference, tmp_path):
   run_dir = tmp_path / "run"
-  train(config, run_dir, 1, "--stop-after", "2")
-  procs = start(config, run_dir, 2)  # 1 -> 2 processes
-  wait_for_step(run_dir, 5, procs)
-  for p in procs:
-    p.send_signal(signal.SIGKILL)
-  killed = finish(procs)
-  assert "resumed from checkpoint 2 " in killed[0][1]
-  assert max(rows(run_dir)) < STEPS - 1
-  saved = max(int(n) for n in os.listdir(run_dir / "checkpoints") if n.isdigit())
-  results = train(config, run_dir, 2)
-  assert f"resumed from checkpoint {saved} " in results[0][1]
+  train(config, run_dir, 1, "--stop-after", "3")
+  results = train(config, run_dir, 2)  # 1 -> 2 processes
+  assert "resumed from checkpoint 3 " in results[0][1]  # saved by the stop
   assert_same(reference, run_dir)
 
 
@@ -211,7 +203,7 @@ def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, r
   assert_same(reference, run_dir)
 
 
-def test_verify_restart_kills_a_two_process_run(config, tmp_path):
+def test_verify_restart_kills_both_processes_and_resumes_bitwise(config, tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "verify-restart", str(config),
