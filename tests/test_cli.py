@@ -95,6 +95,7 @@ def test_every_option_has_help_and_shows_its_default():
   import argparse
   for name, parser in _subcommands().items():
     assert parser.description, f"maxlm {name} has no description"
+    assert "usage: maxlm " + name in parser.format_help()  # a stray % in a help would raise
     formatter = parser._get_formatter()
     for action in parser._actions:
       if isinstance(action, argparse._HelpAction):
