@@ -317,3 +317,15 @@ def test_skypilot_run_section_starts_maxlm_train(tmp_path, extra, nodes, rank, w
                   f"data.dir={task['envs']['DATA_DIR']} distributed={want['distributed']}")
   assert got_env.split()[1:] == [want[k] for k in ("MAXLM_COORDINATOR", "MAXLM_NUM_PROCESSES",
                                                    "MAXLM_PROCESS_ID") if k in want]
+
+
+def test_accelerator_extras_pin_the_jax_the_suite_runs():
+  import tomllib
+  import jax
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    extras = tomllib.load(f)["project"]["optional-dependencies"]
+  assert f"jax[cuda12]=={jax.__version__}" in extras["cuda"]
+  assert f"jax[tpu]=={jax.__version__}" in extras["tpu"]
+  with open(os.path.join(ROOT, "docs/performance.md")) as f:
+    text = f.read()
+  assert f"jax and jaxlib {jax.__version__}" in text  # the versions statement names it
