@@ -96,13 +96,14 @@ def test_yarn_equals_transformers(dim, theta, factor, original, fast, slow, attn
   torch = pytest.importorskip("torch", reason="torch not installed (pip install -e '.[hf]')")
   transformers = pytest.importorskip("transformers", reason="transformers not installed")
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-  params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor,
-            "original_max_position_embeddings": original, "beta_fast": fast, "beta_slow": slow}
+  params = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": fast, "beta_slow": slow}
   if attn:
     params["attention_factor"] = attn
+  # the keys an exported config.json carries, read by transformers 4.4x and 5.x alike
   config = transformers.LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim,
                                     max_position_embeddings=int(original * factor),
-                                    rope_parameters=params)
+                                    rope_theta=theta, rope_scaling=params)
   inv, scale = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
   cfg = RopeConfig(theta=theta, scaling="yarn", factor=factor, original_length=original,
                    beta_fast=fast, beta_slow=slow, attention_factor=attn)
