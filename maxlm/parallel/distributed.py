@@ -172,11 +172,11 @@ def fingerprint(batch, step):
     if me:
       client().key_value_set(f"maxlm/rows/{step}/{me}", digests, allow_overwrite=True)
       return None
-    parts = [digests]
-    for p in range(1, n):
-      key = f"maxlm/rows/{step}/{p}"
-      parts.append(client().blocking_key_value_get(key, _WAIT_MS))
-      client().key_value_delete(key)
+    where = f"maxlm/rows/{step}"
+    ready = dict(client().key_value_dir_get(where + "/"))  # one call for those already there
+    parts = [digests] + [ready.get(f"{where}/{p}") or client().blocking_key_value_get(
+        f"{where}/{p}", _WAIT_MS) for p in range(1, n)]
+    client().key_value_delete(where)  # the folder, with every key under it
     digests = "".join(parts)
   return hashlib.sha256(digests.encode()).hexdigest()[:16]
 

@@ -5,9 +5,11 @@ Orbax writes checkpoints straight to `run_dir/checkpoints` either way. The small
 which for a local run_dir is the run_dir itself; for an object store it is a mirror under
 `~/.cache/maxlm/runs`, pulled at start and copied up whole through `maxlm.io` at every
 checkpoint and at exit, because objects cannot be appended to. Only process 0 keeps them
-(and checks that the run_dir is writable); other processes write into a throwaway folder.
+(and checks that the run_dir is writable); other processes write into a throwaway folder,
+removed at exit.
 """
 
+import atexit
 import hashlib
 import os
 import re
@@ -29,6 +31,7 @@ class RunDir:
     self.primary = jax.process_index() == 0
     if not self.primary:
       self.local = tempfile.mkdtemp(prefix="maxlm-run-")
+      atexit.register(shutil.rmtree, self.local, True)
     elif self.remote:
       cache = os.environ.get("MAXLM_CACHE", os.path.expanduser("~/.cache/maxlm"))
       tag = hashlib.sha256(self.path.encode()).hexdigest()[:12]
