@@ -2,6 +2,7 @@
 flags this jaxlib knows, and the MAXLM_* variables that join processes with jax.distributed."""
 
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -329,3 +330,32 @@ def test_accelerator_extras_pin_the_jax_the_suite_runs():
   with open(os.path.join(ROOT, "docs/performance.md")) as f:
     text = f.read()
   assert f"jax and jaxlib {jax.__version__}" in text  # the versions statement names it
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MAXLM_COORDINATOR": "10.0.0.2", "MAXLM_NUM_PROCESSES": "2", "MAXLM_PROCESS_ID": "0"},
+     "expected HOST:PORT"),
+    ({"MAXLM_COORDINATOR": "h:99999", "MAXLM_NUM_PROCESSES": "2", "MAXLM_PROCESS_ID": "0"},
+     "expected HOST:PORT"),
+    ({"MAXLM_COORDINATOR": "h:1", "MAXLM_NUM_PROCESSES": "2", "MAXLM_PROCESS_ID": "2"},
+     "MAXLM_PROCESS_ID=2 must be in 0..MAXLM_NUM_PROCESSES-1"),
+    ({"MAXLM_COORDINATOR": "h:1", "MAXLM_NUM_PROCESSES": "two", "MAXLM_PROCESS_ID": "0"},
+     "must be integers"),
+    ({"MAXLM_COORDINATOR": "h:1", "MAXLM_NUM_PROCESSES": "0", "MAXLM_PROCESS_ID": "0"},
+     "must be in 0..MAXLM_NUM_PROCESSES-1"),
+    ({"MAXLM_PEER_TIMEOUT": "soon"}, "MAXLM_PEER_TIMEOUT='soon'"),
+    ({"MAXLM_PEER_TIMEOUT": "1"}, "between 2 and 86400")])
+def test_bad_maxlm_variables_are_one_line_errors(env, message):
+  from maxlm import MaxlmError
+  from maxlm.parallel import distributed
+  with pytest.raises(MaxlmError, match=re.escape(message)):
+    distributed.parse_env(env)
+    distributed.peer_timeout(env)
+
+
+def test_ipv6_coordinator_and_the_default_peer_timeout():
+  from maxlm.parallel import distributed
+  env = {"MAXLM_COORDINATOR": "[fd00::2]:12355", "MAXLM_NUM_PROCESSES": "4",
+         "MAXLM_PROCESS_ID": "3"}
+  assert distributed.parse_env(env) == ("[fd00::2]:12355", 4, 3)
+  assert distributed.parse_env({}) is None and distributed.peer_timeout({}) == 120
