@@ -358,4 +358,4 @@ def test_ipv6_coordinator_and_the_default_peer_timeout():
   env = {"MAXLM_COORDINATOR": "[fd00::2]:12355", "MAXLM_NUM_PROCESSES": "4",
          "MAXLM_PROCESS_ID": "3"}
   assert distributed.parse_env(env) == ("[fd00::2]:12355", 4, 3)
-  assert distributed.parse_env({}) is None and distributed.peer_timeout({}) == 120
+  assert distributed.parse_env({}) is None and distributed.peer_timeout({}) == 100

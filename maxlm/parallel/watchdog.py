@@ -3,8 +3,8 @@ one line naming it, instead of waiting in a collective forever.
 
 Each process runs a thread that every few seconds writes its own heartbeat counter into the
 JAX distributed client's key-value store and reads its peers'. A peer whose counter has not
-moved for MAXLM_PEER_TIMEOUT seconds (default 120) is lost: this process prints
-  maxlm train: error: lost process 1 of 2 (no heartbeat for 120 s) ...
+moved for MAXLM_PEER_TIMEOUT seconds (default 100; at most one 5 s beat more) is lost: it prints
+  maxlm train: error: lost process 1 of 2 (no heartbeat for 100 s; MAXLM_PEER_TIMEOUT=100) ...
 and exits at once with EXIT_LOST (75, EX_TEMPFAIL: rerun to resume), without the atexit
 shutdown barrier that would wait for the dead peer. A process that stops on an error
 publishes that error first, and its peers exit with it at their next beat
