@@ -228,3 +228,19 @@ def test_the_plan_is_pinned():
 
 PINNED_DOCS = [22, 1, 28, 5, 10, 7, 7, 19, 0, 10, 9, 10]
 PINNED_FIM = [0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0]
+
+
+def test_ledger_counts_each_document_once_per_stage():
+  from maxlm.data import ledger
+  mem = datagen.MemoryStore(datagen.make_docs([5 + (i * 61) % 300 for i in range(37)],
+                                              ["a", "b", "c"] * 12 + ["a"], 2))
+  cfg = datagen.make_config([{"seq_len": 64, "batch": 4, "steps": 30},
+                             {"seq_len": 128, "batch": 2, "steps": 9}],
+                            {"shuffle_rows": 4, "block_rows": 8, "overlap": 4})
+  planner = plan.Planner(mem.index, cfg)
+  led = ledger.ledger(planner)
+  for s, st in enumerate(led["stages"]):
+    blocks = [planner.block(s, b) for b in range(planner.num_blocks(s))]
+    for i, name in enumerate(mem.index.sources):
+      docs = {int(d) for blk in blocks for d in blk.doc[blk.pool == i]}
+      assert st["sources"][name]["documents"] == len(docs), (s, name)
