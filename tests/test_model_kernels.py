@@ -122,3 +122,29 @@ def test_ranges_stay_correct_on_unsorted_segments():
   assert float(jnp.abs(got - want).max()) < 1e-5
   assert triton_segments.block_count(seg, 32, 32) >= brute_force_tiles(seg, 32, 32)
   assert splash_segments.block_count(seg, 32, 32) >= brute_force_tiles(seg, 32, 32)
+
+
+def test_the_gpu_check_script_parses_and_runs_its_cpu_path(tmp_path, capsys):
+  """tools/gpu_kernels_check.{sh,py}: the shell script is valid bash, and the Python script's
+  --dry-run path runs at tiny shapes here (tile counts only; the timed dry run is manual)."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  assert subprocess.run(["bash", "-n", os.path.join(root, "tools", "gpu_kernels_check.sh")]
+                        ).returncode == 0
+  sys.path.insert(0, os.path.join(root, "tools"))
+  try:
+    import gpu_kernels_check
+  finally:
+    sys.path.pop(0)
+  out = tmp_path / "out.json"
+  assert gpu_kernels_check.main(["--dry-run", "--parts", "2", "--tiles-only", "--json",
+                                 str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["versions"]["jax"] == jax.__version__
+  for name, row in result["fwd_bwd_s"].items():
+    assert row["tiles_gpu"] <= row["tiles_gpu_mha"], name
+  assert result["fwd_bwd_s"]["512_32docs"]["tiles_gpu"] * 4 < result["fwd_bwd_s"][
+      "512_32docs"]["tiles_gpu_mha"]

@@ -2,17 +2,18 @@
 k+1 queued, its batch placed, before step k's metrics are read; side by side in one process.
 
 `maxlm train` on the demo corpus (prepared here, in a temporary folder), one stage of the demo
-model; both modes share the compiled step (a warm-up run compiles it first) and alternate, so
-machine noise hits both. Throughput is wall clock between the first and the last step's
+model; both modes share the compiled step (a warm-up run compiles it first; every run uses the same
+run_dir, emptied before it) and alternate, so machine noise hits both. Throughput is wall clock between the first and the last step's
 progress line (what a user waits for), in positions per second.
 
   python tools/bench_step_overlap.py [--json] [--seq-len 256] [--batch 8] [--steps 30]
-      [--repeats 3]
+      [--repeats 5]
 """
 
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -22,9 +23,9 @@ from maxlm.data import corpus, prepare
 from maxlm.train import loop
 
 
-def run(base, data_dir, args, lookahead, name):
+def run(base, data_dir, args, lookahead):
   cfg = config_lib.from_dict({
-      "seed": 0, "run_dir": os.path.join(base, name), "data": {"dir": data_dir},
+      "seed": 0, "run_dir": os.path.join(base, "run"), "data": {"dir": data_dir},
       "stages": [{"seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
                   "block_q": 128, "block_k": 128}],
       "model": {"size": "demo", "dtype": "float32", "remat": "none", "loss_chunk": 256},
@@ -35,6 +36,7 @@ def run(base, data_dir, args, lookahead, name):
     if " step " in line and line.startswith("stage "):
       stamps.append(time.perf_counter())
 
+  shutil.rmtree(cfg.run_dir, ignore_errors=True)  # one run_dir: every run reuses the compiled step
   loop.LOOKAHEAD = lookahead
   loop.train(cfg, log=log)
   steps = len(stamps) - 1
@@ -46,18 +48,18 @@ def main(argv=None):
   ap.add_argument("--seq-len", type=int, default=256)
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--steps", type=int, default=30)
-  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   with tempfile.TemporaryDirectory() as base:
     raw = corpus.build(os.path.join(base, "raw"), bytes_per_source=400_000)
     data_dir = os.path.join(base, "data")
     prepare.prepare(raw, data_dir, vocab_size=1024, progress=False)
-    run(base, data_dir, argparse.Namespace(**{**vars(args), "steps": 3}), True, "warmup")
+    run(base, data_dir, args, True)  # compiles the step
     before, after = [], []
-    for r in range(args.repeats):
-      before.append(run(base, data_dir, args, False, f"off{r}"))
-      after.append(run(base, data_dir, args, True, f"on{r}"))
+    for _ in range(args.repeats):
+      before.append(run(base, data_dir, args, False))
+      after.append(run(base, data_dir, args, True))
   loop.LOOKAHEAD = True
   out = {"seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
          "positions_per_s_without_lookahead": [round(x) for x in before],

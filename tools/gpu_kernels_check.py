@@ -6,12 +6,13 @@
      value of auto_rule.GPU_BLOCKWISE_FROM it implies;
   3. the `1b` model at L = 4096: step time, tokens/s, MFU (against 989 TFLOP/s dense bf16 and
      the 790 TFLOP/s usable figure docs/performance.md used before);
-  4. the 1M-token stage of a small model (128 documents of 8192 per row): s/step with `gpu`.
+  4. the 1M-token stage of a small model (128 documents of 8192 per row): s/step with `gpu`;
+  5. the train loop with and without its one-step lookahead (tools/bench_step_overlap.py).
 
 Prints one JSON object after each part (a timeout still leaves the parts done) with jax, jaxlib
 and CUDA versions. `--dry-run` runs the same code on CPU at tiny shapes (Pallas interpret mode).
 
-  PYTHONPATH=. python tools/gpu_kernels_check.py [--json OUT.json] [--dry-run] [--parts 1,2,3,4]
+  PYTHONPATH=. python tools/gpu_kernels_check.py [--json OUT.json] [--dry-run] [--parts 1,2,3,4,5]
       [--tiles-only]
   (bash tools/gpu_kernels_check.sh runs it on the GPU)
 """
@@ -139,7 +140,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--json")
   ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpret mode)")
-  ap.add_argument("--parts", default="1,2,3,4")
+  ap.add_argument("--parts", default="1,2,3,4,5")
   ap.add_argument("--tiles-only", action="store_true",
                   help="part 2's tile counts at the real shapes, no timing (runs on a CPU)")
   args = ap.parse_args(argv)
@@ -193,6 +194,15 @@ def main(argv=None):
     r = train(a, o)
     r["before_s_per_step"] = 11.51  # docs/performance.md: blockwise, measured before issue 17
     result["train_small_1m"] = r
+    emit()
+  if 5 in parts:
+    import bench_step_overlap
+    a = (["--seq-len", "128", "--batch", "2", "--steps", "4", "--repeats", "1"] if dry else
+         ["--seq-len", "1024", "--batch", "8", "--steps", "30", "--repeats", "3"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      bench_step_overlap.main(["--json", *a])
+    result["step_overlap"] = json.loads(out.getvalue().strip().splitlines()[-1])
     emit()
   return 0
 
