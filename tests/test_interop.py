@@ -97,6 +97,26 @@ def test_export_writes_a_llama_folder(trained):
   assert not list(tmp.glob("hf.tmp-*"))
 
 
+@pytest.mark.parametrize("scan, tied", [(True, False), (False, True)])
+def test_layout_makes_every_llama_tensor_once_and_inverts(scan, tied):
+  import dataclasses
+  cfg = dataclasses.replace(config_lib.ModelConfig(), vocab_size=50, n_layers=3,
+                            scan_layers=scan, tied_embeddings=tied)
+  made, rng = {}, np.random.default_rng(0)
+  for leaf in layout.leaves(cfg):
+    array = rng.standard_normal(leaf.shape).astype(np.float32)
+    for i in range(leaf.shape[0]) if leaf.per_layer else [None]:
+      part = array[i] if i is not None else array
+      tensors = leaf.to_hf(part)
+      assert tuple(tensors) == leaf.names
+      full = {layout.hf_layer_name(i, n) if i is not None else n: t for n, t in tensors.items()}
+      assert not set(full) & set(made)
+      made.update(full)
+      assert np.array_equal(leaf.from_hf(tensors.__getitem__), part)
+  assert {n: t.shape for n, t in made.items()} == layout.hf_shapes(cfg)
+  assert all(t.flags.c_contiguous for t in made.values())  # safetensors writes memory as is
+
+
 def test_trained_stage_of_a_boundary_checkpoint():
   assert hf_config.trained_stage({"stage": 1, "stage_step": 0}, 2) == 0
   assert hf_config.trained_stage({"stage": 1, "stage_step": 3}, 2) == 1

@@ -21,6 +21,7 @@ class Leaf:
   path: tuple
   shape: tuple  # the whole parameter's (layers first when stacked)
   per_layer: bool
+  names: tuple  # the Llama tensors it makes (suffixes after model.layers.N. when per_layer)
   to_hf: Callable  # maxlm array -> {hf name (a suffix for per-layer leaves): array}
   from_hf: Callable  # get(hf name) -> maxlm array
 
@@ -64,22 +65,38 @@ def leaves(cfg):
           lambda a: {"post_attention_layernorm.weight": _c(a)},
           lambda get: _c(get("post_attention_layernorm.weight"))),
   }
-  out = [Leaf(("embedding",), (v, d), False, lambda a: {"model.embed_tokens.weight": _c(a)},
+  out = [Leaf(("embedding",), (v, d), False, ("model.embed_tokens.weight",),
+              lambda a: {"model.embed_tokens.weight": _c(a)},
               lambda get: _c(get("model.embed_tokens.weight")))]
   for local, (shape, to_hf, from_hf) in layer.items():
+    names = _LAYER_NAMES[local]
     if cfg.scan_layers:
-      out.append(Leaf(("layers", *local), (n, *shape), True, to_hf, from_hf))
+      out.append(Leaf(("layers", *local), (n, *shape), True, names, to_hf, from_hf))
     else:
       for i in range(n):
-        out.append(Leaf((f"layer_{i}", *local), shape, False, _named(i, to_hf),
+        out.append(Leaf((f"layer_{i}", *local), shape, False,
+                        tuple(hf_layer_name(i, x) for x in names), _named(i, to_hf),
                         _got(i, from_hf)))
-  out.append(Leaf(("final_norm", "scale"), (d,), False,
+  out.append(Leaf(("final_norm", "scale"), (d,), False, ("model.norm.weight",),
                   lambda a: {"model.norm.weight": _c(a)},
                   lambda get: _c(get("model.norm.weight"))))
   if not cfg.tied_embeddings:
-    out.append(Leaf(("head",), (d, v), False, lambda a: {"lm_head.weight": _c(a.T)},
+    out.append(Leaf(("head",), (d, v), False, ("lm_head.weight",),
+                    lambda a: {"lm_head.weight": _c(a.T)},
                     lambda get: _c(get("lm_head.weight").T)))
   return out
+
+
+_LAYER_NAMES = {
+    ("attention", "query", "kernel"): ("self_attn.q_proj.weight",),
+    ("attention", "key", "kernel"): ("self_attn.k_proj.weight",),
+    ("attention", "value", "kernel"): ("self_attn.v_proj.weight",),
+    ("attention", "out", "kernel"): ("self_attn.o_proj.weight",),
+    ("attention_norm", "scale"): ("input_layernorm.weight",),
+    ("mlp", "gate_up", "kernel"): ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp", "down", "kernel"): ("mlp.down_proj.weight",),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight",),
+}
 
 
 def _named(i, to_hf):

@@ -75,10 +75,8 @@ class RunCheckpoint:
     """{hf name: (leaf, layer or None)}: where each Llama tensor comes from."""
     names = {}
     for leaf in layout.leaves(self.model_cfg):
-      shape = leaf.shape
       for i in range(self.model_cfg.n_layers) if leaf.per_layer else [None]:
-        dummy = np.zeros(shape[1:] if leaf.per_layer else shape, np.float32)
-        for name in leaf.to_hf(dummy):
+        for name in leaf.names:
           names[layout.hf_layer_name(i, name) if leaf.per_layer else name] = (leaf, i)
     return names
 
