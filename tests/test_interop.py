@@ -184,6 +184,7 @@ def test_round_trip_is_bitwise(trained, tmp_path):
   assert np.array_equal(q, full.astype(ml_dtypes.bfloat16))
 
 
+@pytest.mark.slow
 def test_training_from_init_records_it_and_a_checkpoint_wins(trained, tmp_path):
   from maxlm.train import loop
   tmp, cfg, out = trained
