@@ -226,8 +226,8 @@ def gpu(q, k, v, segment_ids, *, block=64, block_bwd=64, interpret=False, num_wa
   GQA, any length and head dim. Tiles: `block` (forward), min(block, block_bwd) (backward:
   three accumulators per tile, as jax's kernel uses smaller backward tiles)."""
   b, length, h, d = q.shape
-  block = min(block, max(16, pl.next_power_of_2(length)))
-  blocks = (block, min(block, block_bwd))
+  block = min(1 << (max(block, 16).bit_length() - 1), max(16, pl.next_power_of_2(length)))
+  blocks = (block, min(block, block_bwd))  # Triton tiles are powers of two
   dp = max(16, pl.next_power_of_2(d))
   num_warps = num_warps or (4 if dp <= 64 else 8)
   pad_l = -length % block
