@@ -6,7 +6,7 @@ equal and non-zero; a padding row's output is 0. The 1/sqrt(D) scale is applied 
 
 | impl          | where         | how                                                            |
 |---------------|---------------|----------------------------------------------------------------|
-| reference     | tests         | dense masked einsum                                            |
+| reference     | tests; CPU    | dense masked einsum (auto: CPU rows of <= 128 positions)       |
 | blockwise     | CPU, anywhere | online softmax, custom VJP, skips masked blocks (`blockwise`)  |
 | splash        | TPU           | splash, mask info built from segment ids: skips blocks across  |
 |               |               | documents too (`splash_segments`)                              |

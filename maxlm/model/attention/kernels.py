@@ -1,4 +1,6 @@
-"""Wrappers for the accelerator kernels: TPU splash attention and the Pallas-Triton GPU kernel.
+"""Wrappers for jax's accelerator kernels as they come: TPU splash attention (skipping causal
+blocks only) and the Pallas-Triton `mha` (skipping none); `splash_causal` and `gpu_mha` in the
+table, kept to compare against the segment-skipping `splash_segments` and `triton_segments`.
 
 Both are given GQA, any length (padded to the tile with segment id 0) and the 1/sqrt(D) scale,
 and their padding rows are zeroed, so they keep `attention`'s contract. On CPU they run in
