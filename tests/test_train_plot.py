@@ -21,6 +21,8 @@ def _run_dir(tmp_path, resumed=True):
            "param_norm": 10.0, "max_logit": 3.0, "tokens_per_s": 1000.0, "mfu": 0.3}
     if g in (0, 40):
       row.update(tokens_per_s=10.0, mfu=0.003)
+    if g == 33:
+      row.update(loss=9.0, spike={"mean": 4.5, "std": 0.5, "threshold": 6.0, "sigmas": 9.0})
     if g % 20 == 19:
       row.update({"val_loss": 4.0, "val_bpb": 1.5, "val_loss/prose": 4.2, "val_bpb/prose": 1.6,
                   "val_loss/code": 3.8, "val_bpb/code": 1.3})
@@ -48,7 +50,10 @@ def test_panels_stage_labels_and_per_source_curves(tmp_path):
   assert np.std(np.diff(smooth.get_ydata()[:40])) < np.std(np.diff(raw.get_ydata()[:40])) / 2
   texts = [t.get_text().strip() for t in loss.texts]
   assert texts == ["short (L=128)", "stage 1 (L=1024)"]
-  assert [line.get_xdata()[0] for line in loss.get_lines()[2:]] == [39.5]  # the boundary
+  spikes = loss.get_lines()[2]
+  assert list(spikes.get_xdata()) == [33] and list(spikes.get_ydata()) == [9.0]
+  assert spikes.get_label().startswith("spike")
+  assert [line.get_xdata()[0] for line in loss.get_lines()[3:]] == [39.5]  # the boundary
   for title in ("held-out loss per token", "held-out bits per byte"):
     labels = [t.get_text() for t in axes[title].get_legend().get_texts()]
     assert labels == ["all sources", "code", "prose"]

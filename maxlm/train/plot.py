@@ -3,7 +3,8 @@ the stage names).
 
 Panels, top to bottom: training loss (the raw per-step line faint, an exponential moving
 average over ~`smoothing_span` steps on top; the average restarts at each stage, whose length
-change moves the loss), held-out loss and bits per byte (all sources, and each source from its
+change moves the loss; red crosses on the steps training flagged as spikes, which
+`maxlm trace RUN_DIR --step K` takes apart), held-out loss and bits per byte (all sources, and each source from its
 `val_loss/<source>` / `val_bpb/<source>` keys), learning rate, gradient and parameter norms, the
 largest attention logit, and MFU with tokens/s. Dashed lines mark stage boundaries, labelled
 with the stage's name (or index) and L. A resumed run logs recomputed steps again: the last row
@@ -118,6 +119,9 @@ def _loss(ax, rows):
     part = [r["loss"] for r in rows if r.get("stage", 0) == stage]
     smooth += ema(part, span)
   ax.plot(xs, smooth, lw=1.6, color="tab:blue", label=f"EMA over ~{span} steps")
+  spikes = [(r["step"], r["loss"]) for r in rows if r.get("spike")]
+  if spikes:
+    ax.plot(*zip(*spikes), "x", color="tab:red", ms=7, label="spike (maxlm trace --spikes)")
   ax.legend(fontsize=7, loc="lower left")  # the stage names are along the top
 
 
