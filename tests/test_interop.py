@@ -30,7 +30,7 @@ def write_config(path, data_dir, run_dir, **extra):
          "data": {"dir": str(data_dir), "mix": {"prose": 0.6, "code": 0.4}, "overlap": 4,
                   "shuffle_rows": 8, "block_rows": 64},
          "stages": [{"seq_len": 32, "batch": 8, "steps": 4, "attention": "blockwise",
-                     "block_q": 16, "block_k": 16},
+                     "block_q": 16, "block_k": 16, "mesh": {"data": 2, "fsdp": 4}},
                     {"seq_len": 64, "batch": 8, "steps": 2, "attention": "blockwise",
                      "block_q": 16, "block_k": 16, "rope": YARN}],
          "model": MODEL, "train": {"lr": 0.01, "warmup_steps": 1, "checkpoint_every": 3,
@@ -47,7 +47,8 @@ def quiet(*_):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, demo_data):
-  """A 3-layer GQA run trained 6 steps through a plain and a YaRN stage, and its export
+  """A 3-layer GQA run trained 6 steps through a plain stage with its parameters sharded 4
+  ways (fsdp: checkpoints 3 and 4 hold them in shards) and a YaRN stage, and its export
   (sharded: ~100 KB per file)."""
   from maxlm.train import loop
   tmp = tmp_path_factory.mktemp("interop")
@@ -277,6 +278,9 @@ def test_export_refuses_what_it_cannot_do(trained, tmp_path, monkeypatch):
   tmp, cfg, out = trained
   with pytest.raises(MaxlmError, match="exists and is not empty.*--overwrite"):
     export.export(cfg.run_dir, str(out), log=quiet)
+  for holder in (cfg.run_dir, tmp):  # --overwrite must never replace the run itself
+    with pytest.raises(MaxlmError, match="holds the run dir"):
+      export.export(cfg.run_dir, str(holder), overwrite=True, log=quiet)
   with pytest.raises(MaxlmError, match="has no checkpoint 5; it has 3, 4, 6"):
     export.export(cfg.run_dir, str(tmp_path / "x"), step=5, log=quiet)
   with pytest.raises(hf_config.CannotExpress, match="not a whole number of positions"):

@@ -37,6 +37,9 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   t0 = time.perf_counter()
   if not io.is_local(out):
     raise MaxlmError(f"--out {out}: export writes a local folder (copy it up afterwards)")
+  target = os.path.realpath(out)
+  if io.is_local(run_dir) and (os.path.realpath(run_dir) + os.sep).startswith(target + os.sep):
+    raise MaxlmError(f"--out {out} holds the run dir {run_dir}: export to another folder")
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
     raise MaxlmError(f"--out {out} exists and is not empty: choose another folder, or pass "
                      "--overwrite to replace it once the export is complete")
