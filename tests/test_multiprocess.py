@@ -155,7 +155,7 @@ def test_two_processes_log_the_losses_of_one_and_only_process_0_writes(config, r
     assert got[step]["loss"] == pytest.approx(row["loss"], rel=1e-6, abs=0)
 
 
-def test_preemption_of_process_1_saves_one_step_on_both_and_resumes_bitwise_on_one(
+def test_preemption_of_process_1_saves_one_step_on_both_then_resumes_on_1_then_on_2(
     config, reference, tmp_path):
   run_dir = tmp_path / "run"
   procs = start(config, run_dir, 2)
@@ -169,24 +169,24 @@ def test_preemption_of_process_1_saves_one_step_on_both_and_resumes_bitwise_on_o
     assert "all 2 processes agreed on" in line
     stops.append(int(line.split()[3]))
   (step,) = set(stops)
-  assert step < STEPS and os.path.isdir(run_dir / "checkpoints" / str(step))
-  (result,) = train(config, run_dir, 1)  # 2 -> 1 process: the same batches, bitwise
+  assert step < STEPS - 1 and os.path.isdir(run_dir / "checkpoints" / str(step))
+  (result,) = train(config, run_dir, 1, "--stop-after", "1")  # 2 -> 1 process
   assert f"resumed from checkpoint {step} " in result[1]
-  assert_same(reference, run_dir)
-
-
-def test_a_one_process_run_resumes_on_two_with_the_same_batches(config, reference, tmp_path):
-  run_dir = tmp_path / "run"
-  train(config, run_dir, 1, "--stop-after", "3")
   results = train(config, run_dir, 2)  # 1 -> 2 processes
-  assert "resumed from checkpoint 3 " in results[0][1]  # saved by the stop
-  assert_same(reference, run_dir)
+  assert f"resumed from checkpoint {step + 1} " in results[0][1]
+  assert_same(reference, run_dir)  # the same batches and losses, bitwise, throughout
 
 
 def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, reference,
                                                                       tmp_path):
   run_dir = tmp_path / "run"
   procs = start(config, run_dir, 2, env={"MAXLM_PEER_TIMEOUT": "4"})
+  wait_for_step(run_dir, 1, procs)
+  holder = json.loads((run_dir / "lease.json").read_text())["pid"]
+  for code, _, err in finish(start(config, run_dir, 2)):  # a second job on the same run_dir:
+    assert code == 2, err[-2000:]  # both of its processes stop with process 0's one line
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert line.startswith("maxlm train: error: run_dir") and f"in use by pid {holder}" in line
   wait_for_step(run_dir, 2, procs)
   procs[1].send_signal(signal.SIGKILL)
   t0 = time.time()

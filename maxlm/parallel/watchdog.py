@@ -75,7 +75,7 @@ class Watchdog:
           if verdict == "done":
             del seen[p]
           elif verdict is not None:
-            self._exit(f"process {p} of {self.n} stopped: {verdict}")
+            self._exit(f"process {p} of {self.n} stopped: {verdict}", announce=True)
           value = self.client.key_value_try_get(f"{_PREFIX}alive/{p}")
           if value != seen[p][0]:
             seen[p] = (value, time.monotonic())
@@ -94,15 +94,39 @@ class Watchdog:
       for p, (_, since) in seen.items():
         if now - since > self.timeout:
           self._exit(f"lost process {p} of {self.n} (no heartbeat for {now - since:.0f} s; "
-                     f"MAXLM_PEER_TIMEOUT={self.timeout:g})")
+                     f"MAXLM_PEER_TIMEOUT={self.timeout:g})", announce=True, lost=(p,))
 
-  def _exit(self, what):
+  def _exit(self, what, announce=False, lost=()):
     if self._stop.is_set():
       return
     print(f"{self.prefix}: error: {what}; process {self.me} exits: rerun the job to resume "
           "from the last checkpoint", file=sys.stderr, flush=True)
+    self.leave(EXIT_LOST, announce, lost)
+
+  def leave(self, code, announce=True, lost=()):
+    """Exits now, skipping JAX's shutdown barrier. Process 0 hosts the coordination service,
+    and JAX aborts every process still connected when it goes (SIGABRT and a C++ log): so
+    the others say they are leaving, and process 0 waits for that (a few seconds at most)
+    before it leaves last."""
     sys.stdout.flush()
-    os._exit(EXIT_LOST)
+    sys.stderr.flush()
+    try:
+      if self.me and announce:
+        self._set("exited", "1")
+      elif not self.me:
+        end = time.monotonic() + min(self.timeout, 30)
+        want = {f"{_PREFIX}exited/{p}" for p in range(1, self.n) if p not in lost}
+        while time.monotonic() < end:
+          if want <= {k for k, _ in self.client.key_value_dir_get(f"{_PREFIX}exited/")}:
+            break
+          time.sleep(0.05)
+    except Exception:  # noqa: BLE001 (the service is gone: nothing left to wait for)
+      pass
+    os._exit(code)
+
+  def join(self, seconds):
+    """Waits up to `seconds` for the watchdog to end this process over a lost peer."""
+    self._thread.join(timeout=seconds)
 
   def finish(self, error=None):
     """Says how this process ends (done, or the error's one line) and stops beating."""
@@ -141,8 +165,12 @@ def watched():
   try:
     yield
   except BaseException as e:
+    if not isinstance(e, (MaxlmError, KeyboardInterrupt)):
+      # a collective that failed because a peer died (gloo: "connection reset"): let the
+      # watchdog name the peer, which it does within the timeout, rather than report this
+      dog.join(dog.timeout + 2 * dog.beat)
     dog.finish(_describe(e))
     code = _exit_code(e)
-    atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(code)))
+    atexit.register(dog.leave, code)  # after maxlm.cli printed the error
     raise
   dog.finish()
