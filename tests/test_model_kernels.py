@@ -145,3 +145,25 @@ def test_the_gpu_check_script_parses_and_runs_its_cpu_path(tmp_path, capsys):
     assert row["tiles_gpu"] <= row["tiles_gpu_mha"], name
   assert result["fwd_bwd_s"]["512_32docs"]["tiles_gpu"] * 4 < result["fwd_bwd_s"][
       "512_32docs"]["tiles_gpu_mha"]
+
+
+@pytest.mark.parametrize("platform, target", [("cuda", "__gpu$xla.gpu.triton"),
+                                              ("tpu", "tpu_custom_call")])
+def test_the_kernels_lower_for_their_accelerator(platform, target):
+  """Without the device: the forward, dQ and dK/dV kernels lower to Triton (GPU) and Mosaic
+  (TPU) custom calls, compiled for the real thing (interpret=False), bf16, GQA, padding."""
+  from jax import export
+  fn = triton_segments.gpu if platform == "cuda" else splash_segments.splash
+  block = 128 if platform == "cuda" else 256
+  shape = lambda h: jax.ShapeDtypeStruct((2, 1000, h, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+
+  def grads(q, k, v, seg):
+    def loss(q, k, v):
+      out = fn(q, k, v, seg, block=block)
+      return (out[0] if platform == "cuda" else out).astype(jnp.float32).sum()
+    return jax.grad(loss, (0, 1, 2))(q, k, v)
+
+  exported = export.export(jax.jit(grads), platforms=(platform,), disabled_checks=[
+      export.DisabledSafetyCheck.custom_call(target)])(shape(4), shape(2), shape(2), seg)
+  assert exported.mlir_module().count(target) == 3
