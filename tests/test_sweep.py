@@ -81,16 +81,24 @@ def test_fits_recover_a_known_optimum_and_exponent():
   assert exps["a"] == pytest.approx(0.5, abs=0.05)
 
 
-def test_fits_say_when_the_optimum_is_outside_the_grid_or_missing():
-  beyond = [{"budget": 1e12, "n_params": n, "val_loss": 0.01 * (math.log(n / 1e7)) ** 2}
-            for n in (1e5, 2e5, 4e5)]
-  peaked = [{"budget": 1e13, "n_params": n, "val_loss": v}
-            for n, v in ((1e5, 3.0), (2e5, 4.0), (4e5, 3.0))]
-  fitted, exps = fit.fits(beyond + peaked)
-  assert fitted[0]["status"] == "extrapolated"
-  assert fitted[0]["n_opt"] == pytest.approx(1e7, rel=1e-6)
-  assert fitted[1]["status"] == "no_minimum" and fitted[1]["n_opt"] is None
-  assert exps["a"] is None  # one budget with an optimum gives no exponent
+def test_fits_say_when_the_optimum_is_beyond_the_sizes():
+  falling = [{"budget": 1e12, "n_params": n, "val_loss": 0.01 * (math.log(n / 1e7)) ** 2}
+             for n in (1e5, 2e5, 4e5)]
+  rising = [{"budget": 1e13, "n_params": n, "val_loss": v}
+            for n, v in ((1e5, 3.0), (2e5, 3.5), (4e5, 4.0))]
+  fitted, exps = fit.fits(falling + rising)
+  assert [(f["status"], f["edge"]) for f in fitted] == [("at_edge", "largest"),
+                                                       ("at_edge", "smallest")]
+  assert all(f["n_opt"] is None for f in fitted) and exps["a"] is None
+
+
+def test_fits_use_the_neighbourhood_of_the_best_point():
+  # a parabola near the optimum, far points off it: only the neighbourhood of the best counts
+  sizes = [1e4, 1e5, 2e5, 4e5, 8e5, 1e7]
+  losses = [9.0] + [0.05 * math.log(n / 3e5) ** 2 + 2 for n in sizes[1:5]] + [9.0]
+  f = fit.parabola(sizes, losses)
+  assert f["status"] == "ok" and f["n_opt"] == pytest.approx(3e5, rel=1e-6)
+  assert f["fitted_n"] == [2e5, 8e5]
 
 
 def test_recommendation_is_data_limited_when_the_data_cannot_feed_the_compute():

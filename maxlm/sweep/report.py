@@ -45,7 +45,11 @@ def tables(rows, fitted, exponents, recommendation, target):
       lines.append(f"{f['budget']:>9.3g} {f['n_opt']:>11,.0f} {f['d_opt']:>12,.0f} "
                    f"{f['d_opt'] / f['n_opt']:>7.1f} {f['loss_min']:>8.4f}  {f['status']}")
     else:
-      lines.append(f"{f['budget']:>9.3g} {'-':>11} {'-':>12} {'-':>7} {'-':>8}  {f['status']}")
+      why = f["status"]
+      if why == "at_edge":
+        way = "smaller" if f["edge"] == "smallest" else "larger"
+        why += f": the best point is the {f['edge']} size (N={f['best']:,.0f}); add {way} sizes"
+      lines.append(f"{f['budget']:>9.3g} {'-':>11} {'-':>12} {'-':>7} {'-':>8}  {why}")
   if exponents["a"] is not None:
     lines.append(f"\nN_opt ~ C^{exponents['a']:.3f}, D_opt ~ C^{exponents['b']:.3f} "
                  f"(from {exponents['budgets_fitted']} budgets)")
@@ -96,10 +100,9 @@ def write_png(out, rows, fitted, exponents, target):
     n = np.array([r["n_params"] for r in pts], float)
     loss = np.array([r["val_loss"] for r in pts])
     left.plot(n, loss, "o", color=color, label=f"C = {f['budget']:.3g}")
-    if len(n) >= 3:
-      coef = np.polyfit(np.log(n), loss, 2)
-      xs = np.linspace(np.log(n.min()), np.log(n.max()), 100)
-      left.plot(np.exp(xs), np.polyval(coef, xs), "-", color=color, alpha=0.7)
+    if f.get("coef_ln_n"):
+      xs = np.linspace(*np.log(f["fitted_n"]), 100)
+      left.plot(np.exp(xs), np.polyval(f["coef_ln_n"], xs), "-", color=color, alpha=0.7)
     if f["n_opt"]:
       left.plot([f["n_opt"]], [f["loss_min"]], "*", color=color, markersize=14,
                 markeredgecolor="black")
