@@ -220,6 +220,32 @@ DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
 }
 
 
+SPARSE_MODES = ("dense", "indexer_warmup", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+  """DeepSeek sparse attention for one stage (maxlm/model/attention/sparse.py)."""
+  mode: str = "dense"  # dense | indexer_warmup (main frozen, indexer learns) | sparse
+  topk: int = 2048  # >= 1; keys each query attends to in sparse mode
+  indexer_heads: int = 4  # in [1, 64]; same in every non-dense stage
+  indexer_dim: int = 64  # in [2, 1024], even (RoPE); same in every non-dense stage
+  kl_weight: float = 1.0  # >= 0; weight of the indexer's KL loss
+  chunk: int = 0  # >= 0; queries per step of the chunked loop (0: chosen from the length)
+
+  def check(self, key):
+    if self.mode not in SPARSE_MODES:
+      raise ConfigError(f"{key}.mode: expected one of {', '.join(SPARSE_MODES)}, "
+                        f"got {self.mode!r}")
+    _in_range(f"{key}.topk", self.topk, 1, MAX_SEQ_LEN)
+    _in_range(f"{key}.indexer_heads", self.indexer_heads, 1, 64)
+    _in_range(f"{key}.indexer_dim", self.indexer_dim, 2, 1024)
+    if self.indexer_dim % 2:
+      raise ConfigError(f"{key}.indexer_dim: must be even for RoPE, got {self.indexer_dim}")
+    _at_least(f"{key}.kl_weight", self.kl_weight, 0)
+    _in_range(f"{key}.chunk", self.chunk, 0, MAX_SEQ_LEN)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
   seq_len: int  # >= 8; positions per row (L)
@@ -233,6 +259,7 @@ class StageConfig:
   block_q: int = 512  # >= 8; attention tile sizes
   block_k: int = 512  # >= 8
   mesh: MeshConfig = MeshConfig()
+  sparse: SparseConfig = SparseConfig()
 
   @property
   def num_steps(self):
@@ -253,6 +280,7 @@ class StageConfig:
     _at_least(f"{key}.block_k", self.block_k, 8)
     self.rope.check(f"{key}.rope")
     self.mesh.check(f"{key}.mesh")
+    self.sparse.check(f"{key}.sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +315,7 @@ class Config:
                           f"train.grad_accum={self.train.grad_accum}")
     for i, stage in enumerate(self.stages):
       stage.check(f"stages.{i}")
+    _check_sparse_ladder(self.stages)
 
   def mix_for(self, stage_index):
     return self.stages[stage_index].mix or self.data.mix
@@ -347,6 +376,26 @@ def _check_skip_steps(key, ranges):
   for (a0, b0), (a1, b1) in zip(ordered, ordered[1:]):
     if a1 < b0:
       raise ConfigError(f"{key}: ranges [{a0}, {b0}] and [{a1}, {b1}] overlap; merge them")
+
+
+def _check_sparse_ladder(stages):
+  """Indexer parameters appear at the first non-dense stage and never go away or change."""
+  first = None
+  for i, stage in enumerate(stages):
+    sp = stage.sparse
+    if sp.mode == "dense":
+      if first is not None:
+        raise ConfigError(f"stages.{i}.sparse.mode: dense after stage {first}'s "
+                          f"{stages[first].sparse.mode}; once the indexer exists every later "
+                          "stage is indexer_warmup or sparse")
+      continue
+    if first is None:
+      first = i
+    shape = (sp.indexer_heads, sp.indexer_dim)
+    there = (stages[first].sparse.indexer_heads, stages[first].sparse.indexer_dim)
+    if shape != there:
+      raise ConfigError(f"stages.{i}.sparse: indexer_heads/indexer_dim {shape} differ from "
+                        f"stage {first}'s {there}; the indexer keeps one shape")
 
 
 def _check_mix(key, mix):

@@ -21,7 +21,8 @@ def model_for(config, stage_index, mesh=None, vocab_size=None):
     raise ValueError("model.vocab_size is unresolved; pass the tokenizer's vocab size")
   stage = config.stages[stage_index]
   settings = Settings(rope=stage.rope, impl=stage.attention, block_q=stage.block_q,
-                      block_k=stage.block_k, mesh=mesh, rules=dict(config.rules))
+                      block_k=stage.block_k, mesh=mesh, rules=dict(config.rules),
+                      sparse=stage.sparse)
   return Decoder(cfg, settings)
 
 
@@ -70,13 +71,30 @@ def init_params(model, rng, mesh, rules, seq_len=8):
 
 
 def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0):
-  """(loss, aux) for one batch: aux has the NLL sum, loss count and max attention logit."""
+  """(loss, aux) for one batch: aux has the NLL sum, loss count and max attention logit, and in
+  indexer stages the indexer's sums (`sparse_sums`; its weighted KL is in aux["total"])."""
+  sp = model.settings.sparse
+  indexed = sp is not None and sp.mode != "dense"
   with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
-    h, head, peak = model.apply({"params": params}, batch["inputs"], batch["positions"],
-                                batch["segment_ids"])
+    result = model.apply({"params": params}, batch["inputs"], batch["positions"],
+                         batch["segment_ids"], mutable=["sparse"] if indexed else False)
+    (h, head, peak), sown = result if indexed else (result, None)
     loss, sums = loss_lib.chunked_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
                                                 chunk=chunk, z_loss=z_loss)
+  if indexed:
+    extra = sparse_sums(sown["sparse"])
+    sums = {**sums, **extra, "total": sums["total"] + sp.kl_weight * extra["indexer_kl_sum"]
+            / model.cfg.n_layers}
   return loss, {**sums, "max_logit": peak}
+
+
+def sparse_sums(sown):
+  """The indexer's sums over layers: indexer_{kl,selected,queries[,recall]}_sum."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(sown):
+    name = [getattr(k, "key", None) for k in path if isinstance(getattr(k, "key", None), str)][-1]
+    out[f"indexer_{name}_sum"] = out.get(f"indexer_{name}_sum", 0.0) + jnp.sum(leaf)
+  return out
 
 
 def count_params(params):

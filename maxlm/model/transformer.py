@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.model import rope as rope_lib
-from maxlm.model.attention import attention, reference
+from maxlm.model.attention import attention, reference, sparse as sparse_lib
+from maxlm.model.indexer import Indexer
 
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -34,6 +35,7 @@ class Settings:
   block_k: int = 512
   mesh: Any = None
   rules: Any = None  # {logical: mesh axes}
+  sparse: Any = None  # config.SparseConfig; None or mode dense: no indexer
 
 
 def _init(std):
@@ -85,8 +87,16 @@ class Attention(nn.Module):
                           ("batch", "length", "act_kv_heads", None))
     v_BxLxKxD = constrain(v, ("batch", "length", "act_kv_heads", None))
     rules = s.rules or {}
-    if self.decode:
+    mode = s.sparse.mode if s.sparse is not None else "dense"
+    if mode != "dense":  # the indexer's parameters exist from the first non-dense stage on
+      iq, iw, ik = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
+    if self.decode:  # sampling attends densely over the cache
       out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD)
+    elif mode == "sparse":
+      out, peak, stats = sparse_lib.sparse(
+          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
+          topk=s.sparse.topk, chunk=s.sparse.chunk)
+      self._sow(stats)
     else:
       result = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
                          block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
@@ -94,9 +104,16 @@ class Attention(nn.Module):
                          head_axes=tuple(rules.get("act_heads", ())) or None,
                          max_logit=c.max_logit)
       out, peak = result if c.max_logit else (result, jnp.float32(jnp.nan))
+      if mode == "indexer_warmup":
+        self._sow(sparse_lib.warmup(q_BxLxHxD, k_BxLxKxD, iq, iw, ik, segment_ids_BxL,
+                                    segment_ids_BxL, topk=s.sparse.topk, chunk=s.sparse.chunk))
     out = constrain(out, ("batch", "length", "act_heads", None))
     y = _dense(c.d_model, (-2, -1), ("q_heads", "head_dim", "embed"), out_std, dt, "out")(out)
     return y, peak
+
+  def _sow(self, stats):
+    for name, value in stats.items():  # summed over layers by build.loss_fn
+      self.sow("sparse", name, value)
 
   def _cached(self, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD):
     """One sequence continued: the new keys/values are written at the cache index and the
@@ -171,7 +188,7 @@ class Decoder(nn.Module):
     if c.remat != "none" and not self.decode:
       block = nn.remat(Block, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
     if c.scan_layers:
-      stack = nn.scan(block, variable_axes={"params": 0, "cache": 0},
+      stack = nn.scan(block, variable_axes={"params": 0, "cache": 0, "sparse": 0},
                       split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
                       length=c.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
       x_BxLxD, peaks = stack(c, self.settings, self.decode, name="layers")(
