@@ -21,8 +21,9 @@ from maxlm.eval import bpb
 from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import distributed, mesh as mesh_lib, preemption, watchdog
+from maxlm.train import dpo
 from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
-                         rundir, spikes, step as step_lib)
+                         rundir, sparse_stage, spikes, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 # Dispatch step k+1 before reading step k's metrics (read one step late; a step that is due to
@@ -54,6 +55,10 @@ def validate(config):
     if shape["context"] > 1 and stage.seq_len % (2 * shape["context"]):
       raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
                        f"{2 * shape['context']} equal chunks for context parallelism")
+    if shape["context"] > 1 and stage.sparse.mode != "dense":
+      raise MaxlmError(f"stages.{i}.sparse.mode={stage.sparse.mode} does not support context "
+                       f"parallelism (mesh context={shape['context']}); set stages.{i}.mesh."
+                       "context=1 (shard the batch, fsdp or tensor instead)")
     impl = attention_lib.resolve(stage.attention, seq_len=stage.seq_len)
     multiple = {"splash": 128, "gpu": 16}.get(impl)  # rows of any length are padded to a tile
     if multiple and min(stage.block_q, 128 if impl == "gpu" else stage.block_q) % multiple:
@@ -100,8 +105,9 @@ def stage_parts(config, s, vocab):
     model = build.model_for(config, s, mesh, vocab)
     total = sum(st.num_steps for st in config.stages)
     opt, schedule = optimizer.make(config.train, total)
-    step = jax.jit(step_lib.make_train_step(model, opt, schedule, config.rules, model.cfg,
-                                            config.train.grad_accum), donate_argnums=0)
+    step = (dpo.jit_step(model, opt, schedule, config) if config.train.objective == "dpo" else
+            jax.jit(step_lib.make_train_step(model, opt, schedule, config.rules, model.cfg,
+                                             config.train.grad_accum), donate_argnums=0))
     nll = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
     shardings = _state_shardings(model, opt, mesh, config.rules, stage.seq_len)
     _COMPILED[key] = StageParts(mesh, model, opt, step, nll, shardings)
@@ -197,7 +203,12 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
           with log.phase(f"reading the parameters from init.from {config.init.from_}"):
             state = init_lib.into_state(init_source, state, model, opt, mesh, shardings, log)
         ckpts.check_space(state)
+      state = sparse_stage.grow(state, model, opt, mesh, config.rules, config.seed,
+                                stage.seq_len, shardings)  # the first indexer stage adds it
       state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
+      if config.train.objective == "dpo":  # the frozen reference, re-read on every (re)start
+        step_fn = dpo.with_reference(step_fn, dpo.reference_params(
+            config, data, vocab, init_from, model, shardings, stage.seq_len, log))
       it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
       steps = stage.num_steps
       eta.start_stage()
@@ -243,7 +254,8 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
               f"{config.train.spike_sigmas:g} std of the last {config.train.spike_window} "
               f"steps); maxlm trace {config.run_dir} --step {g}")
         finite = integrity.all_finite(m)
-        if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0:
+        if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0 and (
+            config.train.objective == "lm"):
           row.update(_evaluate(nll_fn, state, data, stage, mesh, config))
         held.check()  # another trainer took the run_dir over: write nothing more
         writer.write(g, row)

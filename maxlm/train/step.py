@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from maxlm.model import build
+from maxlm.train import sparse_stage
 
 
 def init_state(model, opt, mesh, rules, seed, seq_len):
@@ -31,8 +32,10 @@ def make_train_step(model, opt, schedule, rules, model_cfg, grad_accum):
   def objective(params, micro):
     _, sums = build.loss_fn(model, params, micro, rules, chunk=model_cfg.loss_chunk,
                             z_loss=model_cfg.z_loss)
-    return sums["total"], {k: sums[k] for k in ("nll", "count", "max_logit")}
+    return sums["total"], {k: sums[k] for k in ("nll", "count", "max_logit") + indexer_keys}
 
+  indexer_keys = sparse_stage.sum_keys(model)
+  warmup = sparse_stage.mode_of(model) == "indexer_warmup"
   grad_fn = jax.grad(objective, has_aux=True)
 
   def step(state, batch):
@@ -48,18 +51,26 @@ def make_train_step(model, opt, schedule, rules, model_cfg, grad_accum):
         g, s = grad_fn(params, mb)
         return (jax.tree_util.tree_map(jnp.add, grads, g),
                 {"nll": sums["nll"] + s["nll"], "count": sums["count"] + s["count"],
-                 "max_logit": jnp.maximum(sums["max_logit"], s["max_logit"])}), None
+                 "max_logit": jnp.maximum(sums["max_logit"], s["max_logit"]),
+                 **{k: sums[k] + s[k] for k in indexer_keys}}), None
 
       zero = (jax.tree_util.tree_map(jnp.zeros_like, params),
-              {"nll": 0.0, "count": 0.0, "max_logit": -jnp.inf})
+              {"nll": 0.0, "count": 0.0, "max_logit": -jnp.inf,
+               **{k: 0.0 for k in indexer_keys}})
       (grads, sums), _ = jax.lax.scan(accumulate, zero, micro)
     count = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / count, grads)
+    if warmup:  # the main model is frozen: only the indexer's gradients count
+      grads = sparse_stage.only_indexer(grads)
     updates, opt_state = opt.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
+    if warmup:
+      new_params = sparse_stage.keep_main(new_params, params)
+      opt_state = sparse_stage.keep_main_opt(opt_state, state["opt_state"])
     metrics = {"loss": sums["nll"] / count, "lr": schedule(state["step"]),
                "grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(new_params),
-               "max_logit": sums["max_logit"], "loss_tokens": sums["count"]}
+               "max_logit": sums["max_logit"], "loss_tokens": sums["count"],
+               **sparse_stage.metrics(sums)}
     rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]),
                                                  state["step"]))
     return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,

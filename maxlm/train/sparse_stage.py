@@ -1,0 +1,86 @@
+"""What the indexer stages change in training: frozen main weights, a grown state, metrics.
+
+- indexer_warmup: only parameters under an `indexer` module train. Their gradients alone enter
+  the optimizer (clipping and grad_norm see only them), and the main parameters and their
+  Adam moments are carried over unchanged (weight decay would otherwise move them).
+- A stage whose model has indexer parameters the state lacks (the first non-dense stage) adds
+  them, initialised from the run's seed as a fresh init of that stage's model would, and grows
+  the optimizer state by the same leaves; everything already there is kept bit for bit, so a
+  resume across dense -> warm-up -> sparse is exact.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from maxlm.model import build
+
+
+def is_indexer(path):
+  return "'indexer'" in jax.tree_util.keystr(path)
+
+
+def mode_of(model):
+  sp = model.settings.sparse
+  return "dense" if sp is None else sp.mode
+
+
+def only_indexer(grads):
+  return jax.tree_util.tree_map_with_path(
+      lambda p, g: g if is_indexer(p) else jnp.zeros_like(g), grads)
+
+
+def keep_main(new, old):
+  """`new` with every leaf outside the indexer taken from `old` (same structure)."""
+  return jax.tree_util.tree_map_with_path(lambda p, n, o: n if is_indexer(p) else o, new, old)
+
+
+def keep_main_opt(new_opt, old_opt):
+  """The optimizer state with the main parameters' moments unchanged; counters advance."""
+  def pick(p, n, o):
+    if is_indexer(p) or n.ndim == 0:
+      return n
+    return o
+  return jax.tree_util.tree_map_with_path(pick, new_opt, old_opt)
+
+
+def _merge(fresh, old):
+  """`fresh` with the leaves whose paths `old` also has taken from `old`."""
+  have = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(old)}
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: have.get(jax.tree_util.keystr(p), x), fresh)
+
+
+def grow(state, model, opt, mesh, rules, seed, seq_len, shardings):
+  """The state with the stage model's missing (indexer) parameters and their optimizer state
+  added; the state itself when nothing is missing."""
+  want = jax.eval_shape(lambda: build.init_params_abstract(model, seq_len))
+  if (jax.tree_util.tree_structure(want)
+      == jax.tree_util.tree_structure(state["params"])):
+    return state
+  fresh = build.init_params(model, jax.random.key(seed), mesh, rules, seq_len)
+  params = jax.device_put(_merge(fresh, state["params"]), shardings["params"])
+  with mesh:
+    opt_state = _merge(jax.jit(opt.init, out_shardings=shardings["opt_state"])(params),
+                       state["opt_state"])
+  return {**state, "params": params, "opt_state": opt_state}
+
+
+METRICS = {"indexer_kl": "kl", "indexer_recall": "recall", "selected_keys": "selected"}
+
+
+def metrics(sums):
+  """Per-query means over layers from build.loss_fn's indexer sums (those present)."""
+  if "indexer_queries_sum" not in sums:
+    return {}
+  queries = jnp.maximum(sums["indexer_queries_sum"], 1.0)
+  return {name: sums[f"indexer_{key}_sum"] / queries for name, key in METRICS.items()
+          if f"indexer_{key}_sum" in sums}
+
+
+def sum_keys(model):
+  """The indexer sums build.loss_fn returns for this stage's model."""
+  mode = mode_of(model)
+  if mode == "dense":
+    return ()
+  keys = ("kl", "selected", "queries") + (("recall",) if mode == "indexer_warmup" else ())
+  return tuple(f"indexer_{k}_sum" for k in keys)

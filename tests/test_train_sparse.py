@@ -1,0 +1,119 @@
+"""Dense -> indexer warm-up -> sparse stages in one schedule (maxlm/train/sparse_stage.py)."""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from maxlm import MaxlmError, config as config_lib
+from maxlm.train import metrics, verify
+
+from test_train import data_dir, small_config  # noqa: F401 (fixture)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LADDER = ["stages.0.steps=4", "stages.1.steps=4", "stages.1.sparse.mode=indexer_warmup",
+          "stages.1.sparse.indexer_heads=2", "stages.1.sparse.indexer_dim=8",
+          "stages.1.sparse.topk=8", "stages.1.sparse.kl_weight=1.0",
+          "stages.2.sparse.indexer_heads=2", "stages.2.sparse.indexer_dim=8",
+          "stages.2.sparse.topk=8", "stages.2.sparse.mode=sparse"]
+
+
+def three_stages(tmp_path, data_dir, extra=()):
+  import yaml
+  path = small_config(tmp_path, data_dir)
+  raw = yaml.safe_load(path.read_text())
+  raw["stages"].append({"seq_len": 64, "batch": 8, "steps": 4})
+  raw["train"].update(checkpoint_every=2, eval_every=0)
+  path.write_text(yaml.safe_dump(raw))
+  return config_lib.load(str(path), LADDER + list(extra))
+
+
+def test_dense_warmup_sparse_trains_and_resumes_exactly(tmp_path, data_dir):
+  from maxlm.train import checkpoint, loop
+  cfg = three_stages(tmp_path, data_dir)
+  assert loop.train(cfg, log=lambda *_: None)["step"] == 12
+  rows = metrics.read_jsonl(cfg.run_dir)
+  assert [r["stage"] for r in rows] == [0] * 4 + [1] * 4 + [2] * 4
+  assert all(np.isfinite(r["loss"]) for r in rows)
+  assert all("indexer_kl" not in r for r in rows[:4])
+  warm, sparse = rows[4:8], rows[8:]
+  assert all({"indexer_kl", "indexer_recall", "selected_keys"} <= set(r) for r in warm)
+  assert all({"indexer_kl", "selected_keys"} <= set(r) for r in sparse)
+  assert warm[-1]["indexer_kl"] < warm[0]["indexer_kl"]
+  assert all(0 < r["indexer_recall"] <= 1 + 1e-6 for r in warm)
+  assert all(0 < r["selected_keys"] <= 8 for r in sparse)
+  # warm-up moves no main parameter: the main part of param_norm is constant there
+  main = [r["param_norm"] for r in warm]
+  assert max(main) - min(main) < 1e-3 * main[0]
+
+  # stop in each stage and resume: every row and the final state are bit for bit the same
+  cut = three_stages(tmp_path, data_dir, [f"run_dir={tmp_path / 'cut'}"])
+  for stop in (2, 3, 4, 3):
+    loop.train(cut, stop_after=stop, log=lambda *_: None)
+  got = metrics.read_jsonl(cut.run_dir)
+  for a, b in zip(rows, got):
+    for key in ("loss", "grad_norm", "param_norm", "indexer_kl", "selected_keys"):
+      assert a.get(key) == b.get(key), (a["step"], key)
+
+  def final(run_dir):
+    ck = checkpoint.Checkpoints(run_dir, 3, False, lambda *_: None)
+    return ck.steps()[-1]
+  assert final(cfg.run_dir) == final(cut.run_dir) == 12
+
+
+def test_warmup_freezes_the_main_model_exactly(tmp_path, data_dir):
+  from maxlm.model import build
+  from maxlm.train import loop, step as step_lib
+  cfg = three_stages(tmp_path, data_dir)
+  parts = loop.stage_parts(cfg, 1, 300)
+  with parts.mesh:
+    state = step_lib.init_state(parts.model, parts.opt, parts.mesh, cfg.rules, 0, 64)
+  before = jax.device_get(state["params"])
+  rng = np.random.default_rng(0)
+  seg = np.repeat(np.arange(1, 5), 16)[None].repeat(8, 0).astype(np.int32)
+  tokens = rng.integers(0, 300, (8, 64)).astype(np.int32)
+  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": seg,
+           "positions": np.tile(np.arange(16), 4)[None].repeat(8, 0).astype(np.int32),
+           "loss_mask": (seg > 0).astype(np.float32)}
+  with parts.mesh:
+    kls = []
+    for _ in range(5):
+      state, m = parts.step(state, batch)
+      kls.append(float(m["indexer_kl"]))
+  after = jax.device_get(state["params"])
+  moved = []
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(before),
+                          jax.tree_util.tree_leaves(after)):
+    name = jax.tree_util.keystr(path)
+    if "indexer" in name:
+      moved.append(not np.array_equal(a, b))
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+  assert moved and all(moved)
+  assert kls[-1] < kls[0], kls
+  assert build.count_params(after) > build.count_params(
+      {k: v for k, v in after.items() if k != "layers"})
+
+
+def test_sparse_refuses_context_parallelism(tmp_path, data_dir):
+  from maxlm.train import loop
+  cfg = three_stages(tmp_path, data_dir, ["stages.2.mesh.context=2", "stages.2.mesh.data=-1"])
+  with pytest.raises(MaxlmError, match="does not support context parallelism"):
+    loop.validate(cfg)
+
+
+def test_ladder_errors():
+  base = {"stages": [{"seq_len": 32, "batch": 8, "steps": 1, "sparse": {"mode": "sparse"}},
+                     {"seq_len": 32, "batch": 8, "steps": 1}]}
+  with pytest.raises(config_lib.ConfigError, match="stages.1.sparse.mode: dense after stage 0"):
+    config_lib.from_dict(base)
+  base["stages"][1]["sparse"] = {"mode": "sparse", "indexer_heads": 2}
+  with pytest.raises(config_lib.ConfigError, match="indexer_heads/indexer_dim"):
+    config_lib.from_dict(base)
+  with pytest.raises(config_lib.ConfigError, match="stages.0.sparse.mode: expected one of"):
+    config_lib.from_dict({"stages": [{"seq_len": 32, "batch": 8, "steps": 1,
+                                      "sparse": {"mode": "spars"}}]})
+  with pytest.raises(config_lib.ConfigError, match="stages.0.sparse.indexer_dim: must be even"):
+    config_lib.from_dict({"stages": [{"seq_len": 32, "batch": 8, "steps": 1,
+                                      "sparse": {"indexer_dim": 7}}]})
