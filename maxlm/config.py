@@ -150,6 +150,16 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DpoConfig:
+  beta: float = 0.1  # > 0; DPO's inverse temperature on the log-prob ratios (maxlm/train/dpo.py)
+  label_smoothing: float = 0.0  # in [0, 0.5); the assumed share of flipped preference labels
+
+  def check(self, key):
+    _above(f"{key}.beta", self.beta, 0)
+    _in_range(f"{key}.label_smoothing", self.label_smoothing, 0, 0.5, high_open=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   lr: float = 3e-3  # > 0; peak learning rate
   min_lr_ratio: float = 0.1  # in [0, 1]; the schedule ends at lr * min_lr_ratio
@@ -170,9 +180,15 @@ class TrainConfig:
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on
   spike_window: int = 32  # >= 0; trailing steps whose loss statistics flag a spike (0: off)
   spike_sigmas: float = 6.0  # > 0; a spike: loss > mean + spike_sigmas * std of that window
+  # lm | dpo; dpo trains on preference pairs against the frozen init.from weights (docs/pairs.md)
+  objective: str = "lm"
+  dpo: DpoConfig = DpoConfig()
 
   def check(self, key):
     _above(f"{key}.lr", self.lr, 0)
+    if self.objective not in ("lm", "dpo"):
+      raise ConfigError(f"{key}.objective: expected lm or dpo, got {self.objective!r}")
+    self.dpo.check(f"{key}.dpo")
     _in_range(f"{key}.min_lr_ratio", self.min_lr_ratio, 0, 1)
     _in_range(f"{key}.decay_fraction", self.decay_fraction, 0, 1)
     _in_range(f"{key}.b1", self.b1, 0, 1, high_open=True)
@@ -309,6 +325,9 @@ class Config:
     self.model.check("model")
     self.train.check("train")
     self.init.check("init")
+    if self.train.objective == "dpo" and not self.init.from_:
+      raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
+                        "and are the frozen reference model (docs/pairs.md)")
     for i, stage in enumerate(self.stages):
       if stage.batch % self.train.grad_accum:
         raise ConfigError(f"stages.{i}.batch={stage.batch} is not divisible by "

@@ -165,7 +165,8 @@ def test_object_store_overwrite_replaces_files_and_a_failure_is_refused(tmp_path
   one = run([write_corpus(tmp_path / "b.jsonl", "new")], out, tok, overwrite=True)
   assert sorted(one["files"]) == sorted(
       ["doc_ids.bin", "index.json", "tokenizer.model", "tokens-00000.bin"]
-      + [index_files.file_name(f) for f in index_files.FIELDS + (index_files.ID_PTR,)])
+      + [index_files.file_name(f)
+         for f in index_files.FIELDS + index_files.OPTIONAL + (index_files.ID_PTR,)])
   assert not io.exists(io.join(out, "tokens-00002.bin"))
   assert open_data(out).manifest == one
   monkeypatch.setattr(store.DocIndex, "arrays", lambda self: 1 / 0)

@@ -5,13 +5,15 @@ Each piece becomes the segment [BOS if it starts the document] + context + body 
 ends it], its body FIM-rearranged when planned so; `inputs = s[:-1]` and `targets = s[1:]` are
 taken inside the segment, so no position predicts the next document's first token. `loss_mask`
 is 0 on padding, on targets inside the context, and on a chat document's prompt targets and EOS.
+A preference pair is two adjacent segments (pairs.py), marked in `roles` (1 chosen, 2 rejected,
+0 for everything else): the rejected answer is always the segment after its chosen one.
 """
 
 import numpy as np
 
-from maxlm.data import fim
+from maxlm.data import fim, pairs
 
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "roles")
 
 
 def segment(store, special, seed, piece):
@@ -37,12 +39,21 @@ def segment(store, special, seed, piece):
   return seg, weight
 
 
+def segments(store, special, seed, piece):
+  """[(tokens, counts_as_target, role)]: one segment, or a pair's two."""
+  p, c = store.index.pair_of(piece[1])
+  if p:
+    return pairs.segments(store.read(piece[1], 0, int(store.index.length[piece[1]])), p, c,
+                          special)
+  return [(*segment(store, special, seed, piece), pairs.NONE)]
+
+
 def row_arrays(store, special, seed, pieces, seq_len):
-  """The five int32 arrays [seq_len] of one row."""
+  """The int32 arrays [seq_len] of one row."""
   out = {f: np.zeros(seq_len, np.int32) for f in FIELDS}
   at = 0
-  for k, piece in enumerate(pieces, 1):
-    seg, weight = segment(store, special, seed, piece)
+  segs = [(s, piece) for piece in pieces for s in segments(store, special, seed, piece)]
+  for k, ((seg, weight, role), piece) in enumerate(segs, 1):
     n = len(seg) - 1
     if at + n > seq_len:
       raise ValueError(f"row overflows {seq_len} positions at piece {piece}")
@@ -51,6 +62,7 @@ def row_arrays(store, special, seed, pieces, seq_len):
     out["segment_ids"][at:at + n] = k
     out["positions"][at:at + n] = np.arange(n, dtype=np.int32)
     out["loss_mask"][at:at + n] = weight[1:]
+    out["roles"][at:at + n] = role
     at += n
   out["inputs"][at:] = special.pad
   out["targets"][at:] = special.pad

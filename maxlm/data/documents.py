@@ -25,7 +25,7 @@ import pathlib
 import numpy as np
 import xxhash
 
-from maxlm.data import sections, tokenizer, walk
+from maxlm.data import pairs, sections, tokenizer, walk
 
 TEXT_SUFFIXES = frozenset(".txt .md .markdown .rst .text".split())
 JSONL_SUFFIXES = frozenset((".jsonl",))
@@ -48,6 +48,10 @@ class Report:
     self.skipped_files = collections.Counter()
     self.skipped_file_examples = collections.defaultdict(list)
     self.renamed, self.renamed_examples = 0, []
+    self.pair_rejected = collections.Counter({r: 0 for r in pairs.REASONS})  # pairs.py
+    self.pair_examples = collections.defaultdict(list)
+    self.prompt_rejected = collections.Counter({r: 0 for r in pairs.REASONS[:2]})
+    self.truncated_pairs = 0
 
   def _note(self, examples, where):
     if self.limit is None or len(examples) < self.limit:
@@ -56,6 +60,10 @@ class Report:
   def reject(self, reason, where):
     self.rejected[reason] += 1
     self._note(self.examples[reason], where)
+
+  def reject_pair(self, reason, where, prompt=False):
+    (self.prompt_rejected if prompt else self.pair_rejected)[reason] += 1
+    self._note(self.pair_examples[reason], where)
 
   def skip(self, reason, where):
     self.skipped[reason] += 1
@@ -198,6 +206,17 @@ def _parse_line(line, where, report):
   if not _encodable(*doc.values()):
     report.reject("bad_unicode", where)
     return None
+  if pairs.is_pair(record) or pairs.is_prompt(record):
+    kind = "pair" if pairs.is_pair(record) else "prompt"
+    fields, reason = (pairs.parse_pair if kind == "pair" else pairs.parse_prompt)(record)
+    if fields is None:
+      report.reject_pair(reason, where, prompt=kind == "prompt")
+      return None
+    if not _encodable(*(pairs.texts(fields) if kind == "pair" else
+                        [pairs.prompt_text(fields["prompt"]), fields["gold"]])):
+      report.reject("bad_unicode", where)
+      return None
+    return {**doc, **fields}
   if "messages" in record and "text" not in record:
     messages = record["messages"]
     if not (isinstance(messages, list) and messages and all(

@@ -41,6 +41,9 @@ ID_PTR = "doc_id_ptr"
 FIELDS = ("shard", "offset", "length", "source", "split", "nbytes", "bound_ptr", "bound_pos",
           "bound_level", "nolos_ptr", "nolos_start", "nolos_end", "lang_score", "chat",
           "pool_docs", "pool_ptr", "pool_tokens")
+# Written by every prepare since preference pairs (pairs.py); absent in older data dirs, whose
+# documents are then none of them pairs.
+OPTIONAL = ("pair",)
 _CHUNK = 64 << 20
 
 
@@ -56,7 +59,7 @@ def npy_bytes(array):
 
 def write(staging, arrays, sources, doc_ids):
   """Writes the index files through a datadir.Staging. arrays: FIELDS -> numpy arrays."""
-  for field in FIELDS:
+  for field in FIELDS + OPTIONAL:
     staging.write(file_name(field), npy_bytes(arrays[field]))
   encoded = [i.encode("utf-8", "surrogatepass") for i in doc_ids]
   ptr = np.zeros(len(encoded) + 1, np.int64)
@@ -95,6 +98,10 @@ def read_meta(data_dir):
 def open_arrays(data_dir, fields=FIELDS):
   """{field: read-only memory map} of a data dir's index files (remote ones via the cache)."""
   manifest = _manifest(data_dir)
+  if fields == FIELDS:
+    fields += tuple(f for f in OPTIONAL if (
+        os.path.exists(os.path.join(str(data_dir), file_name(f))) if manifest is None
+        else file_name(f) in manifest.get("files", {})))
   return {f: np.load(local_path(data_dir, file_name(f), manifest), mmap_mode="r") for f in fields}
 
 

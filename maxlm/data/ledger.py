@@ -11,7 +11,10 @@ import numpy as np
 from maxlm.data import chunk, fim
 
 FIELDS = ("pieces", "body", "bos", "eos", "fim_markers", "context", "positions", "loss",
-          "documents")
+          "documents", "pairs", "prompt", "answer")
+# pairs: preference pairs (pairs.py); prompt: their prompt tokens as the rows hold them (twice a
+# pair, once per segment); answer: their chosen and rejected tokens (EOS not included).
+PAIR_COLUMNS = ("pairs", "prompt", "answer")
 
 
 def piece_counts(index, block):
@@ -26,8 +29,14 @@ def piece_counts(index, block):
   for k in np.flatnonzero(index.is_chat[block.doc]):
     loss[k] -= chat_masked_targets(index, int(block.doc[k]), int(block.start[k]),
                                    int(block.end[k]), int(ctx[k]), bool(eos[k]))
+  prompt = index.pair[block.doc, 0].astype(np.int64)
+  pair = prompt > 0  # two segments [BOS] prompt answer [EOS], loss on the answers and EOS
+  bos[pair], eos[pair] = 2, 2
+  positions[pair] = body[pair] + prompt[pair] + 2
+  loss[pair] = body[pair] - prompt[pair] + 2
   return {"body": body, "bos": bos, "eos": eos, "fim_markers": fim_markers, "context": ctx,
-          "positions": positions, "loss": loss}
+          "positions": positions, "loss": loss, "pairs": pair.astype(np.int64),
+          "prompt": 2 * prompt, "answer": np.where(pair, body - prompt, 0)}
 
 
 def chat_masked_targets(index, doc, start, end, ctx, eos):
@@ -98,6 +107,8 @@ def format_table(led, names=None):
   """A human-readable ledger, one line per stage and source."""
   cols = ("pieces", "body", "bos", "eos", "fim_markers", "context", "loss", "documents",
           "exposure")
+  if any(e.get("pairs") for st in led["stages"] for e in st["sources"].values()):
+    cols += PAIR_COLUMNS
   head = f"{'stage':>5} {'L':>6} {'source':<12}" + "".join(f"{c:>12}" for c in cols)
   lines = [head, "-" * len(head)]
   for s, st in enumerate(led["stages"]):

@@ -54,7 +54,9 @@ class Data:
       self._doc_ids = store.load_doc_ids(self.config.data.dir)
     return [[{"source": self.index.sources[p[plan.POOL]], "doc_id": self._doc_ids[p[plan.DOC]],
               "start": p[plan.START], "end": p[plan.END], "context": p[plan.CTX],
-              "fim": fim.NAMES[p[plan.FIM]]} for p in row] for row in rows]
+              "fim": fim.NAMES[p[plan.FIM]],
+              **({"pair": True} if self.index.pair_of(p[plan.DOC])[0] else {})}
+             for p in row] for row in rows]
 
 
 def _check_fim_sources(config, sources):

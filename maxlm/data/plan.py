@@ -37,7 +37,7 @@ import dataclasses
 import numpy as np
 
 from maxlm import MaxlmError, __version__
-from maxlm.data import chunk, fim, permute
+from maxlm.data import chunk, fim, pairs, permute
 
 VERSION = 2
 CHUNK = 4096  # permutation positions evaluated at a time
@@ -140,6 +140,7 @@ class Pool:
     for piece in reversed(carried):
       if piece[SIZE] <= self.p.seq_len:
         continue
+      self._pair_fits(piece[DOC], piece[SIZE])
       self.cut_queue.extendleft(reversed(self._cut(piece[DOC], piece[START], piece[END],
                                                    piece[FIM])))
     for piece in carried:
@@ -157,7 +158,7 @@ class Pool:
     modes = fim.modes(self.p.seed, docs, 0, self.epoch, self.p.fim_rate, self.p.fim_spm)
     if not self.fim_ok:
       modes[:] = fim.NONE
-    modes[self.p.index.is_chat[docs]] = fim.NONE
+    modes[self.p.index.is_chat[docs] | (self.p.index.pair[docs, 0] > 0)] = fim.NONE
     self._chunk = (self.epoch, i, docs.tolist(), self.p.index.length[docs].tolist(),
                    modes.tolist())
 
@@ -175,11 +176,22 @@ class Pool:
       self._load_chunk(i)
       epoch, first, docs, lengths, modes = self._chunk
     doc, n, mode = docs[i - first], lengths[i - first], modes[i - first]
+    p, _ = self.p.index.pair_of(doc)
+    if p:  # a preference pair: one piece, never cut (pairs.py)
+      return (self.index, doc, 0, n, 0, fim.NONE, self._pair_fits(doc, pairs.positions(n, p)))
     size = n + 1 + (chunk.FIM_MARKERS if mode else 0)  # BOS + body + EOS, minus one
     if size <= self.p.seq_len:
       return (self.index, doc, 0, n, 0, mode, size)
     self.cut_queue.extend(self._cut(doc, 0, n, mode))
     return self.cut_queue.popleft()
+
+  def _pair_fits(self, doc, size):
+    if size > self.p.seq_len and self.p.index.pair_of(doc)[0]:
+      raise MaxlmError(f"source {self.name!r}: a preference pair fills {size} row positions, "
+                       f"more than this stage's seq_len={self.p.seq_len}; a pair is never "
+                       "split: raise seq_len, or re-run maxlm prepare with --max-pair-len "
+                       f"{self.p.seq_len}")
+    return size
 
   def _cut(self, doc, first, last, first_mode):
     reserve = chunk.FIM_MARKERS if self.fim_ok and self.p.fim_rate > 0 else 0

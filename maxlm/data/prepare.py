@@ -12,6 +12,7 @@ are encoded separately, so the boundaries are exact token offsets.
 import collections
 import dataclasses
 import hashlib
+import json
 import multiprocessing
 import os
 import pathlib
@@ -23,8 +24,8 @@ import numpy as np
 import tqdm
 
 from maxlm import MaxlmError
-from maxlm.data import (datadir, index_files, quality as quality_lib, sections, store, tokenizer,
-                        walk)
+from maxlm.data import (datadir, index_files, pairs, quality as quality_lib, sections, store,
+                        tokenizer, walk)
 from maxlm.data.quality import engine as quality_engine, select
 from maxlm.data.documents import REASONS, Report, iter_documents, unique_ids  # noqa: F401
 
@@ -33,7 +34,9 @@ def training_sentences(docs, max_chars=40_000_000):
   """Paragraph-sized strings for the tokenizer trainer, from the first `max_chars` of text."""
   seen = 0
   for doc in docs:
-    texts = [m["content"] for m in doc["messages"]] if doc["kind"] == "chat" else [doc["text"]]
+    texts = ([m["content"] for m in doc["messages"]] if doc["kind"] == "chat" else
+             pairs.texts(doc) if doc["kind"] == "pair" else
+             [pairs.prompt_text(doc["prompt"])] if doc["kind"] == "prompt" else [doc["text"]])
     for text in texts:
       for block, _ in sections.split(text, "code" if doc["kind"] == "code" else "prose"):
         for piece in (block[i:i + 8000] for i in range(0, len(block), 8000)):
@@ -44,7 +47,9 @@ def training_sentences(docs, max_chars=40_000_000):
         return
 
 
+PROMPTS = "prompts.jsonl"  # the RL prompts {id, source, prompt, gold} (pairs.py)
 _SP = None
+_MAX_PAIR = pairs.MAX_PAIR_LEN  # set before the worker pool forks
 
 
 def _init_worker(model_proto):
@@ -56,7 +61,18 @@ def _init_worker(model_proto):
 
 def encode_document(doc):
   """(source, id, tokens, bound_pos, bound_level, no-loss intervals, utf8 bytes, split id,
-  language probability)."""
+  language probability); for a pair or an RL prompt, a dict (see `_prepare`)."""
+  if doc["kind"] == "prompt":
+    return {"prompt": {"id": doc["id"], "source": doc["source"], "prompt": doc["prompt"],
+                       "gold": doc["gold"]}}
+  if doc["kind"] == "pair":
+    tokens, pc, truncated = pairs.encode(_SP, doc, _MAX_PAIR)
+    if tokens is None:
+      return {"reject": pc, "where": doc["where"]}
+    nbytes = sum(len(t.encode()) for t in pairs.texts(doc))
+    return {"pair": pc, "truncated": truncated,
+            "record": (doc["source"], doc["id"], tokens, (), (), np.zeros((0, 2), np.int32),
+                       nbytes, doc.get("split_id"), doc.get("lang_score", float("nan")))}
   return (doc["source"], doc["id"], *_encode(doc), doc.get("split_id"),
           doc.get("lang_score", float("nan")))
 
@@ -101,7 +117,7 @@ def heldout(source, doc_id, fraction):
 def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
             workers=None, progress=True, overwrite=False, verbose=False, log=print,
             quality=None, rejected=None, engine="local", tasks=None, inspect_dir=None,
-            as_text=()):
+            as_text=(), max_pair_len=pairs.MAX_PAIR_LEN):
   """Runs the whole preparation and returns the manifest dict.
 
   Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
@@ -111,8 +127,11 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   process pool) or "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers`
   processes; `quality.engine`) for the per-document quality work; inspect_dir: where its
   tasks' records are, or go (default: a temporary folder). as_text: globs of files to read as
-  text that prepare would otherwise skip (`documents.text_glob`).
+  text that prepare would otherwise skip (`documents.text_glob`). max_pair_len: the most row
+  positions a preference pair may fill (pairs.py: longer prompts are cut from the left).
   """
+  global _MAX_PAIR
+  _MAX_PAIR = int(max_pair_len)
   report = Report(verbose, as_text)
   walk.check_inputs(inputs)
   model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
@@ -176,8 +195,16 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
             unique_ids(iter_documents(inputs, report), report))
     encoded = select.bounded_imap(pool, encode_document, docs)
     for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
-      writer.add(*record)
-  if not writer.doc_ids:
+      if not isinstance(record, dict):
+        writer.add(*record)
+      elif "prompt" in record:
+        writer.prompts.append(record["prompt"])
+      elif "reject" in record:
+        report.reject_pair(record["reject"], record["where"])
+      else:
+        report.truncated_pairs += record["truncated"]
+        writer.add(*record["record"], pair=record["pair"])
+  if not writer.doc_ids and not writer.prompts:
     raise _no_documents(inputs, report)
   return writer.finish(report, special, sp.vocab_size(), model_proto, val_fraction)
 
@@ -223,10 +250,10 @@ class DataDirWriter:
     self.tokens = store.StoreWriter(self.staging)
     self.cols = collections.defaultdict(list)
     self.bounds, self.no_loss, self.doc_ids, self.sources = [], [], [], {}
-    self.split_ids = []
+    self.split_ids, self.pairs, self.prompts = [], [], []
 
   def add(self, source, doc_id, tokens, bound_pos=(), bound_level=(), no_loss=(), nbytes=0,
-          split_id=None, lang_score=float("nan")):
+          split_id=None, lang_score=float("nan"), pair=(0, 0)):
     shard, offset = self.tokens.add(tokens)
     self.cols["lang_score"].append(lang_score)
     for name, value in (("shard", shard), ("offset", offset), ("length", len(tokens)),
@@ -237,6 +264,7 @@ class DataDirWriter:
     self.no_loss.append(np.asarray(no_loss, np.int32).reshape(-1, 2))
     self.doc_ids.append(doc_id)
     self.split_ids.append(doc_id if split_id is None else split_id)
+    self.pairs.append(pair)
 
   def finish(self, report, special, vocab_size, model_proto=None, val_fraction=0.01):
     """Writes the rest, manifest.json last, and puts the data dir in place; the manifest."""
@@ -268,8 +296,11 @@ class DataDirWriter:
         nolos_ptr=_ptr([len(x) for x in self.no_loss]),
         nolos_start=_cat([x[:, 0] for x in self.no_loss], np.int32),
         nolos_end=_cat([x[:, 1] for x in self.no_loss], np.int32),
-        sources=list(self.sources), lang_score=np.array(self.cols["lang_score"], np.float16))
+        sources=list(self.sources), lang_score=np.array(self.cols["lang_score"], np.float16),
+        pair=np.array(self.pairs, np.int32).reshape(-1, 2))
     index_files.write(self.staging, index.arrays(), index.sources, self.doc_ids)
+    if self.prompts:
+      self.staging.write(PROMPTS, "".join(json.dumps(p) + "\n" for p in self.prompts).encode())
     if model_proto is not None:
       self.staging.write("tokenizer.model", model_proto)
     return self.staging.commit(_manifest(index, report, special, vocab_size))
@@ -291,7 +322,8 @@ def _manifest(index, report, special, vocab_size):
     per_source[name] = {
         "documents": int(mine.sum()), "tokens": int(index.length[mine].sum()),
         "heldout_documents": int(val.sum()), "heldout_tokens": int(index.length[val].sum()),
-        "chat_documents": int((mine & index.is_chat).sum())}
+        "chat_documents": int((mine & index.is_chat).sum()),
+        "pairs": int((mine & (index.pair[:, 0] > 0)).sum())}
   return {
       "sources": per_source,
       "rejected": dict(report.rejected),
@@ -303,11 +335,22 @@ def _manifest(index, report, special, vocab_size):
       "skipped_examples": dict(report.skipped_examples),
       "renamed_ids": report.renamed,
       "renamed_id_examples": report.renamed_examples,
+      **_pair_counts(report),
       **_funnel(report, index),
       "vocab_size": vocab_size,
       "special_ids": dict(vars(special)),
       "tokenizer": "tokenizer.model",
   }
+
+
+def _pair_counts(report):
+  """Preference-pair and RL-prompt rejects per reason, and the pairs whose prompt was cut."""
+  if not hasattr(report, "pair_rejected"):
+    return {}
+  return {"rejected_pairs": dict(report.pair_rejected),
+          "rejected_prompts": dict(report.prompt_rejected),
+          "rejected_pair_examples": dict(report.pair_examples),
+          "truncated_pairs": report.truncated_pairs}
 
 
 def _funnel(report, index):

@@ -40,6 +40,8 @@ def piece_label(piece):
     extra.append(f"+{piece['context']} context")
   if piece.get("fim") not in (None, "none", 0):
     extra.append(f"FIM {piece['fim']}")
+  if piece.get("role"):
+    extra.append(f"pair, {piece['role']}")
   more = f" ({', '.join(extra)})" if extra else ""
   doc = str(piece["doc_id"])
   doc = doc if len(doc) <= _MAX_ID else "..." + doc[-(_MAX_ID - 3):]  # a path's end names it
@@ -48,7 +50,11 @@ def piece_label(piece):
 
 def row_figure(batch, row, title="", pieces=None):
   """The figure of one row; `pieces`: the row's provenance dicts (source, doc_id, start, end,
-  context, fim), in segment order, to name each segment."""
+  context, fim), in segment order, to name each segment (a preference pair's piece names its
+  two segments, chosen then rejected)."""
+  pieces = None if pieces is None else [
+      dict(p, role=r) for p in pieces for r in (("chosen", "rejected") if p.get("pair") else
+                                                (None,))]
   seg = np.asarray(batch["segment_ids"][row])
   L, n = len(seg), int(seg.max())
   colors = segment_colors(n)
@@ -70,7 +76,8 @@ def row_figure(batch, row, title="", pieces=None):
   for i in range(1, n + 1):
     at = np.flatnonzero(seg == i)
     if len(at) >= L / 60:  # wide enough to carry its number
-      axes[0].text(at.mean(), 0.5, str(i), ha="center", va="center", fontsize=7)
+      role = {1: "c", 2: "r"}.get(int(batch["roles"][row][at[0]]), "") if "roles" in batch else ""
+      axes[0].text(at.mean(), 0.5, f"{i}{role}", ha="center", va="center", fontsize=7)
   axes[0].set_ylabel("segment")
   handles = [mpatches.Patch(facecolor=PADDING_RGB, edgecolor="black", lw=0.5,
                             label="padding (segment 0)")]

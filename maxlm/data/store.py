@@ -89,12 +89,15 @@ class DocIndex:
   pool_docs: np.ndarray | None = None  # training documents grouped by source (index_files.py)
   pool_ptr: np.ndarray | None = None
   pool_tokens: np.ndarray | None = None
+  pair: np.ndarray | None = None  # [n, 2]: a preference pair's (prompt, chosen) tokens (pairs.py)
   data_dir: str | None = None  # set when memory-mapped from a data dir
 
   def __post_init__(self):
     self.sources = [str(s) for s in self.sources]
     if self.chat is None:
       self.chat = np.diff(self.nolos_ptr) > 0
+    if self.pair is None:
+      self.pair = np.zeros((len(self.length), 2), np.int32)
     if self.pool_docs is None:
       self.pool_docs, self.pool_ptr, self.pool_tokens = index_files.pools(
           np.asarray(self.source), np.asarray(self.split), np.asarray(self.length),
@@ -117,6 +120,11 @@ class DocIndex:
   def is_chat(self):
     return self.chat
 
+  def pair_of(self, doc):
+    """(prompt tokens, chosen tokens) of a preference pair; (0, 0) for any other document."""
+    p, c = self.pair[doc]
+    return int(p), int(c)
+
   def pool(self, source):
     """Source `source`'s training documents, ascending (a view: no copy)."""
     return self.pool_docs[self.pool_ptr[source]:self.pool_ptr[source + 1]]
@@ -132,7 +140,7 @@ class DocIndex:
 
   def arrays(self):
     """{field: array} of everything index_files writes."""
-    return {f: getattr(self, f) for f in index_files.FIELDS}
+    return {f: getattr(self, f) for f in index_files.FIELDS + index_files.OPTIONAL}
 
   @classmethod
   def from_bytes(cls, data):

@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import math
 
+from maxlm.data import pairs
 from maxlm.data.quality import lang, minhash, rules
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml
 
@@ -114,7 +115,9 @@ class Inspector:
     """The document (text cleaned) with `verdict`: {step, rule, lang, lang_score, exact,
     bands, nbytes_in, and nbytes_out once line cleaning ran}; step None means it passed steps
     1-5."""
-    texts = [m["content"] for m in doc["messages"]] if doc["kind"] == "chat" else [doc["text"]]
+    texts = ([m["content"] for m in doc["messages"]] if doc["kind"] == "chat" else
+             pairs.texts(doc) if doc["kind"] == "pair" else
+             [pairs.prompt_text(doc["prompt"])] if doc["kind"] == "prompt" else [doc["text"]])
     whole = "\n".join(texts)
     verdict = {"step": None, "rule": None, "lang": None, "lang_score": float("nan"),
                "exact": 0, "sig": None, "bands": None, "nbytes_in": len(whole.encode())}
@@ -128,7 +131,7 @@ class Inspector:
       if verdict["lang_score"] < self.config.lang_min_score:
         verdict.update(step="language", rule="lang_min_score")
         return doc
-    if self.config.filters and doc["kind"] != "chat":
+    if self.config.filters and doc["kind"] not in ("chat", "pair", "prompt"):
       rule, step = self._filters(doc, verdict)
       if rule:
         verdict.update(step=step, rule=rule)
