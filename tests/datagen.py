@@ -82,3 +82,40 @@ def check_batch_rules(batch):
 
 # `maxlm prepare` flags that keep every usable document (for tests about other things)
 QUALITY_OFF = ("--filters", "off", "--dedup", "off", "--lang", "any")
+
+
+def with_pairs(mem, pairs_at):
+  """Marks documents of a MemoryStore as preference pairs: {doc: (prompt, chosen) tokens}."""
+  for doc, pc in pairs_at.items():
+    mem.index.pair[doc] = pc
+  return mem
+
+
+def check_pair_rules(batch):
+  """Asserts the pair contract (docs/pairs.md): roles constant per segment; every chosen
+  segment (role 1) is followed by a rejected one (role 2) in the same row, and only then; both
+  open with BOS and the same prompt (their loss-free targets), end with EOS, and count the loss
+  on the answer and its EOS only."""
+  for r in range(batch["inputs"].shape[0]):
+    seg, role = batch["segment_ids"][r], batch["roles"][r]
+    n = int(seg.max())
+    parts = {k: np.flatnonzero(seg == k) for k in range(1, n + 1)}
+    roles = {}
+    for k, at in parts.items():
+      assert len(set(role[at].tolist())) == 1, "one role per segment"
+      roles[k] = int(role[at[0]])
+    for k in range(1, n + 1):
+      if roles[k] == 2:
+        assert roles.get(k - 1) == 1, "a rejected segment follows its chosen one"
+      if roles[k] != 1:
+        continue
+      assert roles.get(k + 1) == 2, "a chosen segment is followed by its rejected one"
+      views = []
+      for j in (k, k + 1):
+        at = parts[j]
+        inp, tgt, mask = (batch[f][r][at] for f in ("inputs", "targets", "loss_mask"))
+        assert inp[0] == SPECIAL.bos and tgt[-1] == SPECIAL.eos and mask[-1] == 1
+        first = int(np.argmax(mask))
+        assert mask[first:].all() and not mask[:first].any(), "loss on the answer only"
+        views.append(inp[:first + 1])  # BOS + the prompt
+      assert np.array_equal(views[0], views[1]), "chosen and rejected share their prompt"
