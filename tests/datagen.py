@@ -115,6 +115,7 @@ def check_pair_rules(batch):
         at = parts[j]
         inp, tgt, mask = (batch[f][r][at] for f in ("inputs", "targets", "loss_mask"))
         assert inp[0] == SPECIAL.bos and tgt[-1] == SPECIAL.eos and mask[-1] == 1
+        assert mask[0] == 0, "the target after BOS is prompt (a prompt has a token at least)"
         first = int(np.argmax(mask))
         assert mask[first:].all() and not mask[:first].any(), "loss on the answer only"
         views.append(inp[:first + 1])  # BOS + the prompt
