@@ -65,6 +65,10 @@ def _parser():
                       "repeatable (docs/data.md)")
   p.add_argument("--val-fraction", type=float, default=0.01,
                  help="share of each source's documents held out for validation, in [0, 1)")
+  p.add_argument("--max-pair-len", type=int, default=1024,
+                 help="row positions a preference pair may fill; a longer prompt is cut from "
+                      "its left, a pair whose answers alone do not fit is rejected "
+                      "(docs/pairs.md)")
   p.add_argument("--workers", type=int, default=None,
                  help="processes for the quality steps and tokenizing (default: all cores)")
   p.add_argument("--overwrite", action="store_true",
@@ -169,7 +173,15 @@ def _parser():
 
   p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
   p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
-  p.add_argument("--prompt", required=True, help="the text to continue")
+  p.add_argument("--prompt", help="the text to continue")
+  p.add_argument("--prompts", metavar="FILE.jsonl",
+                 help='{"prompt", "gold"} lines (e.g. DATA_DIR/prompts.jsonl): sample answers '
+                      "and score them against gold (docs/pairs.md)")
+  p.add_argument("--verify", choices=("exact", "numeric"), default="exact",
+                 help="with --prompts: how the extracted answer is compared with gold")
+  p.add_argument("--samples", type=int, default=1, help="with --prompts: answers per prompt "
+                 "(reports pass@1 and pass@N)")
+  p.add_argument("--json", action="store_true", help="with --prompts: print the result as JSON")
   p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
@@ -359,14 +371,43 @@ def cmd_generate(args):
   from maxlm.eval import generate, run
   if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
     raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
+  if (args.prompt is None) == (args.prompts is None):
+    raise MaxlmError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
+  if args.samples < 1:
+    raise MaxlmError(f"--samples must be >= 1, got {args.samples}")
+  if args.prompts:
+    from maxlm.eval import verify
+    prompts, _ = verify.read_prompts(args.prompts)
   config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
+  if args.prompts:
+    result = verify.evaluate(_sampler(args, data, sp, mesh, model, params), prompts,
+                             args.verify, args.samples)
+    print(json.dumps(result) if args.json else verify.format_result(result))
+    return
   ids = [data.special.bos] + sp.encode(args.prompt)
   with mesh:
     out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                           eos_id=data.special.eos)
   print(args.prompt + sp.decode(out))
+
+
+def _sampler(args, data, sp, mesh, model, params):
+  """sample(prompt, i): the i-th answer to a prompt (seed --seed + i), cut at EOS or <|end|>."""
+  from maxlm.data import pairs, tokenizer
+  from maxlm.eval import generate
+  end = sp.piece_to_id(tokenizer.CHAT_END)
+
+  def sample(prompt, i):
+    ids = [data.special.bos] + pairs.prompt_ids(sp, prompt, not isinstance(prompt, str))
+    with mesh:
+      out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_k=args.top_k, seed=args.seed + i,
+                            eos_id=data.special.eos)
+    out = out[:out.index(end)] if end in out else out
+    return sp.decode([t for t in out if t != data.special.eos])
+  return sample
 
 
 def cmd_export(args):

@@ -14,6 +14,8 @@ def cmd_prepare(args):
     raise MaxlmError(f"--vocab-size must be >= 300 (bytes and specials), got {args.vocab_size}")
   if not 0 <= args.val_fraction < 1:
     raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+  if args.max_pair_len < 4:
+    raise MaxlmError(f"--max-pair-len must be >= 4, got {args.max_pair_len}")
   if args.tasks is not None and args.tasks < 1 or args.workers is not None and args.workers < 1:
     raise MaxlmError("--tasks and --workers must be >= 1")
   quality = _quality_config(args)
@@ -22,7 +24,8 @@ def cmd_prepare(args):
                              args.val_fraction, args.workers, overwrite=args.overwrite,
                              verbose=args.verbose, quality=quality, rejected=args.rejected,
                              engine=args.engine, tasks=args.tasks,
-                             inspect_dir=args.inspect_dir, as_text=args.as_text)
+                             inspect_dir=args.inspect_dir, as_text=args.as_text,
+                             max_pair_len=args.max_pair_len)
   _print_manifest(manifest, args.out, args.verbose)
   _show_funnel(manifest, args.funnel_png)
 
@@ -108,6 +111,13 @@ def _print_manifest(manifest, out, verbose=False):
   print(f"  rejected: {rejected or 'none'}; skipped: {skipped or 'none'}; "
         f"skipped files: {manifest['skipped_files'] or 'none'}")
   _print_skipped_files(manifest, verbose)
+  pairs = sum(src.get("pairs", 0) for src in manifest["sources"].values())
+  bad_pairs = {k: v for k, v in manifest.get("rejected_pairs", {}).items() if v}
+  bad_prompts = {k: v for k, v in manifest.get("rejected_prompts", {}).items() if v}
+  if pairs or bad_pairs or bad_prompts or "prompts.jsonl" in manifest.get("files", {}):
+    print(f"  preference pairs: {pairs:,} ({manifest.get('truncated_pairs', 0):,} with the "
+          f"prompt cut from the left), rejected: {bad_pairs or 'none'}; RL prompts rejected: "
+          f"{bad_prompts or 'none'}")
   if manifest["renamed_ids"]:
     print(f"  renamed duplicate ids: {manifest['renamed_ids']} "
           f"(e.g. {manifest['renamed_id_examples'][0]})")

@@ -179,3 +179,28 @@ def test_dpo_without_pairs_in_the_batch_is_a_zero_not_a_nan():
   total, sums = dpo.dpo_terms(dpo.pair_logprobs(logp, batch), dpo.pair_logprobs(logp, batch),
                               0.1, 0.0)
   assert float(total) == 0.0 and float(sums["pairs"]) == 0.0
+
+
+def test_generate_verifies_prompts_against_gold(pretrained, tmp_path, capsys):
+  """`maxlm generate --prompts --verify`: greedy answers used as gold score pass@1 = 1; a wrong
+  gold scores 0; the same seed gives the same answers."""
+  from maxlm import cli
+  run = str(pretrained / "pre")
+  f = tmp_path / "p.jsonl"
+  rows = [{"id": "a", "prompt": "def ", "gold": "nothing"},
+          {"id": "b", "prompt": [{"role": "user", "content": "import"}], "gold": "x"}]
+  f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  args = ["generate", run, "--prompts", str(f), "--verify", "exact", "--max-tokens", "6",
+          "--temperature", "0", "--samples", "2", "--json"]
+  cli.main(args)
+  first = json.loads(capsys.readouterr().out)
+  assert first["pass@1"] == 0.0 and first["pass@2"] == 0.0
+  answers = [r["answers"][0] for r in first["prompts"]]
+  assert all(r["answers"][0] == r["answers"][1] for r in first["prompts"])  # greedy
+  f.write_text("".join(json.dumps({**r, "gold": a}) + "\n" for r, a in zip(rows, answers)
+                       if a is not None))
+  cli.main(args)
+  again = json.loads(capsys.readouterr().out)
+  assert again["pass@1"] == 1.0 and again["pass@2"] == 1.0
+  assert cli.main(["generate", run, "--prompt", "x", "--prompts", str(f)]) == 2
+  assert "give --prompt TEXT or --prompts FILE.jsonl" in capsys.readouterr().err

@@ -101,17 +101,8 @@ def texts(doc):
 
 def encode(sp, doc, max_len=MAX_PAIR_LEN):
   """(tokens, (P, C), truncated) of a pair document, or (None, reason, False)."""
-  if doc["chat"]:
-    messages = ([{"role": "user", "content": doc["prompt"]}] if isinstance(doc["prompt"], str)
-                else doc["prompt"])
-    prompt = []
-    for m in messages:
-      prompt += [sp.piece_to_id(f"<|{m['role']}|>")] + sp.encode("\n") + sp.encode(
-          m["content"]) + [sp.piece_to_id(tokenizer.CHAT_END)]
-    prompt += [sp.piece_to_id("<|assistant|>")] + sp.encode("\n")
-    end = [sp.piece_to_id(tokenizer.CHAT_END)]
-  else:
-    prompt, end = sp.encode(doc["prompt"]), []
+  prompt = prompt_ids(sp, doc["prompt"], doc["chat"])
+  end = [sp.piece_to_id(tokenizer.CHAT_END)] if doc["chat"] else []
   chosen, rejected = sp.encode(doc["chosen"]) + end, sp.encode(doc["rejected"]) + end
   keep = (max_len - len(chosen) - len(rejected) - 2) // 2
   if keep < 1:
@@ -120,6 +111,18 @@ def encode(sp, doc, max_len=MAX_PAIR_LEN):
   prompt = prompt[len(prompt) - min(keep, len(prompt)):]
   tokens = np.array(prompt + chosen + rejected, np.int32)
   return tokens, (len(prompt), len(chosen)), truncated
+
+
+def prompt_ids(sp, prompt, chat):
+  """A prompt's tokens (no BOS): the text, or (chat) its turns and the assistant header."""
+  if not chat:
+    return sp.encode(prompt)
+  messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+  ids = []
+  for m in messages:
+    ids += [sp.piece_to_id(f"<|{m['role']}|>")] + sp.encode("\n") + sp.encode(
+        m["content"]) + [sp.piece_to_id(tokenizer.CHAT_END)]
+  return ids + [sp.piece_to_id("<|assistant|>")] + sp.encode("\n")
 
 
 def positions(n, p):
