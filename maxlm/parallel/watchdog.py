@@ -9,7 +9,8 @@ and exits at once with EXIT_LOST (75, EX_TEMPFAIL: rerun to resume), without the
 shutdown barrier that would wait for the dead peer. A process that stops on an error
 publishes that error first, and its peers exit with it at their next beat
 ("process 1 stopped: ...") rather than waiting out the timeout; one that finishes normally
-says so, and is not missed.
+says so, and is not missed. Leaving on an error, process 0 goes last (the others say they are
+leaving; it waits a few seconds at most), since its exit would make JAX abort the others.
 
 Why a thread of our own rather than JAX's heartbeat (`heartbeat_timeout_seconds`): JAX does
 detect a dead peer, but ends the survivors with SIGABRT, a C++ fatal log and a stack trace;
