@@ -3,9 +3,10 @@ from the demo corpus (prompt = a document's opening, chosen = its true continuat
 the same words shuffled), DPO from a briefly pretrained demo model, reward accuracy >= 0.9 with
 a rising margin, resumed bit for bit."""
 
+import importlib.util
 import json
 import math
-import random
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from maxlm import config as config_lib
 from maxlm.data import corpus, pairs, prepare
 from maxlm.train import dpo
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 64, "n_layers": 2,
          "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "d_ff": 128, "loss_chunk": 64}
 
@@ -92,23 +94,12 @@ def test_dpo_needs_init_from_and_a_known_objective():
                           "train": {"objective": "dpo", "dpo": {"beta": 0}}})
 
 
-def demo_pairs(raw_files, path, n=160, seed=0):
-  """Pairs from demo documents: the opening 24 words, the next 16 as chosen, shuffled as
-  rejected."""
-  rng, out = random.Random(seed), []
-  for f in raw_files:
-    for line in open(f):
-      words = json.loads(line)["text"].split()
-      if len(words) < 48:
-        continue
-      prompt, cont = words[:24], words[24:40]
-      shuffled = cont[:]
-      while shuffled == cont:
-        rng.shuffle(shuffled)
-      out.append({"id": f"pair-{len(out)}", "source": "pairs", "prompt": " ".join(prompt),
-                  "chosen": " ".join(cont), "rejected": " ".join(shuffled)})
-  rng.shuffle(out)
-  path.write_text("".join(json.dumps(r) + "\n" for r in out[:n]))
+def demo_pairs(raw_files, path):
+  """tools/demo_pairs.py's pairs (the recipe docs/pairs.md runs), written to `path`."""
+  spec = importlib.util.spec_from_file_location("demo_pairs", ROOT / "tools" / "demo_pairs.py")
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  path.write_text("".join(json.dumps(r) + "\n" for r in tool.demo_pairs(raw_files)))
   return path
 
 
