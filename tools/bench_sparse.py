@@ -1,0 +1,174 @@
+"""Sparse (DeepSeek sparse attention, token-level top-k) vs dense blockwise attention.
+
+One layer's attention, one row (one document), 16 query heads / 4 KV heads x 128, indexer
+4 heads x 64, k = 2048, f32, forward + backward (gradients of q, k, v and the indexer's
+inputs through its KL), each case in its own process, side by side in one run:
+
+  sparse_over_dense_{L}       sparse time / dense blockwise time, L in --lengths
+  topk_full_max_abs_diff      k >= L: sparse vs dense, outputs and gradients (L = 1024)
+  sparse_peak_rss_gib_{L}     peak resident memory of the sparse case's process
+  recall_demo                 dense attention mass on the top-k keys of an indexer warmed up
+                              on the demo corpus, on held-out rows (--recall; trains a run)
+
+  python tools/bench_sparse.py [--json] [--lengths 16384 65536 131072] [--recall]
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HEADS, KV_HEADS, DIM, I_HEADS, I_DIM, TOPK, BLOCK = 16, 4, 128, 4, 64, 2048, 512
+
+
+def _inputs(length, seed=0):
+  import jax.numpy as jnp
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  return (f(1, length, HEADS, DIM), f(1, length, KV_HEADS, DIM), f(1, length, KV_HEADS, DIM),
+          f(1, length, I_HEADS, I_DIM) / I_DIM ** 0.5, f(1, length, I_HEADS),
+          f(1, length, I_DIM), jnp.ones((1, length), jnp.int32))
+
+
+def _grad_fns(topk):
+  """sparse_block: the implementation training uses (`sparse.select: block`); sparse: the
+  token-level variant (`select: token`)."""
+  import jax
+  from maxlm.model.attention import blockwise, sparse
+
+  def dense(q, k, v, iq, iw, ik, seg):
+    return blockwise.attention(q, k, v, seg, seg, block_q=BLOCK, block_k=BLOCK)[0].sum()
+
+  def sparse_loss(q, k, v, iq, iw, ik, seg):
+    out, _, stats = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=topk)
+    return out.sum() + stats["kl"]
+
+  def block_loss(q, k, v, iq, iw, ik, seg):
+    out, _, stats = sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=64)
+    return out.sum() + stats["kl"]
+
+  grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))
+  return {"dense": grad(dense), "sparse": grad(sparse_loss), "sparse_block": grad(block_loss)}
+
+
+def run_case(kind, length, repeats):
+  import jax
+  args = _inputs(length)
+  step = _grad_fns(TOPK)[kind]
+  jax.block_until_ready(step(*args))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    times.append(time.perf_counter() - t)
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB
+  return {"seconds": min(times), "peak_rss_gib": round(peak, 3)}
+
+
+def topk_full_diff(length=1024):
+  """k >= L: sparse and dense (reference) outputs and q/k/v gradients, max abs difference."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from maxlm.model.attention import reference, sparse
+  q, k, v, iq, iw, ik, seg = _inputs(length)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+  def run(fn):
+    return jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * w).sum(), argnums=(0, 1, 2))(
+        q, k, v)
+
+  a = run(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
+  b = run(lambda q, k, v: sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length,
+                                        chunk=128)[0])
+  diffs = [float(jnp.abs(x - y).max()) for x, y in zip(a[1], b[1])]
+  fa = reference.attention(q, k, v, seg, seg)[0]
+  fb = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length, chunk=128)[0]
+  return max([float(jnp.abs(fa - fb).max())] + diffs)
+
+
+def recall_demo(workdir):
+  """Trains the demo ladder briefly (dense, then indexer warm-up), then measures the warmed-up
+  indexer's recall on held-out rows of the demo corpus."""
+  import jax
+  import numpy as np
+  from maxlm import config as config_lib
+  from maxlm.data import assemble, corpus, loader, prepare
+  from maxlm.eval import bpb
+  from maxlm.model import build
+  from maxlm.train import checkpoint, loop, resume
+  raw = corpus.build(f"{workdir}/raw", bytes_per_source=600_000)
+  prepare.prepare(raw, f"{workdir}/data", vocab_size=1024, progress=False)
+  ladder = ["model.size=tiny", f"data.dir={workdir}/data", f"run_dir={workdir}/run",
+            "stages.0.steps=60", "stages.1.steps=40", "stages.1.sparse.mode=indexer_warmup",
+            "stages.1.sparse.topk=64", "stages.2.steps=1", "stages.2.sparse.mode=sparse",
+            "stages.2.sparse.topk=64", "train.eval_every=0", "train.checkpoint_every=100"]
+  cfg = config_lib.load("configs/demo.yaml", ladder)
+  loop.train(cfg, stop_after=100, log=lambda *_: None)  # the end of the warm-up stage
+  data = loader.Data(cfg)
+  vocab = cfg.model.vocab_size or int(data.manifest["vocab_size"])
+  ckpts = checkpoint.Checkpoints(cfg.run_dir, 3, False, lambda *_: None, read_only=True)
+  state = resume.resume(ckpts, cfg, data, vocab, loop.stage_parts, lambda *_: None,
+                        reader=True)[0]
+  parts = loop.stage_parts(cfg, 1, vocab)
+  seq_len = cfg.stages[1].seq_len
+  rows, _ = bpb.heldout_rows(data.index, seq_len, cfg.data.overlap, cfg.data.min_cut, 16)
+  fn = jax.jit(lambda p, b: build.loss_fn(parts.model, p, b, cfg.rules, chunk=256)[1])
+  recall, queries = 0.0, 0.0
+  for r in rows:
+    a = assemble.row_arrays(data.store, data.special, cfg.seed, r, seq_len)
+    batch = {f: np.asarray(a[f])[None] for f in assemble.FIELDS}
+    with parts.mesh:
+      sums = fn(state["params"], batch)
+    recall += float(sums["indexer_recall_sum"])
+    queries += float(sums["indexer_queries_sum"])
+  return {"recall_demo": recall / max(queries, 1.0), "recall_demo_rows": len(rows),
+          "recall_demo_topk": 64, "recall_demo_seq_len": seq_len}
+
+
+def case(kind, length, repeats=1):
+  proc = subprocess.run([sys.executable, __file__, "--case", kind, str(length), str(repeats)],
+                        capture_output=True, text=True)
+  if proc.returncode:
+    return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1][:200]}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--json", action="store_true")
+  ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536, 131072])
+  ap.add_argument("--recall", action="store_true", help="train the demo ladder for recall_demo")
+  ap.add_argument("--token-max", type=int, default=16384,
+                  help="run the token-level variant only up to this length (it is slow)")
+  ap.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.case:
+    kind, length, repeats = args.case
+    print(json.dumps(run_case(kind, int(length), int(repeats))))
+    return
+  out = {"topk_full_max_abs_diff": topk_full_diff(), "topk": TOPK}
+  for length in args.lengths:
+    dense, sp = case("dense", length), case("sparse_block", length)
+    token = case("sparse", length) if length <= args.token_max else {"skipped": "--token-max"}
+    out[f"dense_{length}"], out[f"sparse_{length}"], out[f"token_{length}"] = dense, sp, token
+    if "seconds" in dense and "seconds" in sp:
+      out[f"sparse_over_dense_{length}"] = sp["seconds"] / dense["seconds"]
+    if "seconds" in dense and "seconds" in token:
+      out[f"token_over_dense_{length}"] = token["seconds"] / dense["seconds"]
+    if "peak_rss_gib" in sp:
+      out[f"sparse_peak_rss_gib_{length}"] = sp["peak_rss_gib"]
+    if not args.json:
+      print(length, dense, sp, token, flush=True)
+  if args.recall:
+    with tempfile.TemporaryDirectory() as work:
+      out.update(recall_demo(work))
+  print(json.dumps(out, indent=2) if args.json else out)
+
+
+if __name__ == "__main__":
+  main()
