@@ -247,9 +247,14 @@ class SparseConfig:
   indexer_heads: int = 4  # in [1, 64]; same in every non-dense stage
   indexer_dim: int = 64  # in [2, 1024], even (RoPE); same in every non-dense stage
   kl_weight: float = 1.0  # >= 0; weight of the indexer's KL loss
-  chunk: int = 0  # >= 0; queries per step of the chunked loop (0: chosen from the length)
+  chunk: int = 0  # >= 0; queries per step of the token-level loop (0: chosen from the length)
+  select: str = "block"  # block (top-k // block key blocks per query block) | token (top-k keys)
+  block: int = 64  # in [8, 4096]; query and key block size of select=block
 
   def check(self, key):
+    if self.select not in ("block", "token"):
+      raise ConfigError(f"{key}.select: expected block or token, got {self.select!r}")
+    _in_range(f"{key}.block", self.block, 8, 4096)
     if self.mode not in SPARSE_MODES:
       raise ConfigError(f"{key}.mode: expected one of {', '.join(SPARSE_MODES)}, "
                         f"got {self.mode!r}")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm.model.attention import reference, sparse
-from tests.test_model_attention import close, make_case, packed_segments
+from test_model_attention import close, make_case, packed_segments
 
 
 def indexer_inputs(b, length, seed=1, heads=2, dim=8):
@@ -91,3 +91,45 @@ def test_warmup_kl_is_zero_when_the_indexer_matches_and_recall_is_one_with_full_
   assert float(stats["kl"]) > 0
   g = jax.grad(lambda iq: sparse.warmup(q, k, iq, iw, ik, seg, seg, topk=8)["kl"])(iq)
   assert np.abs(np.asarray(g)).max() > 0
+
+
+def test_block_selection_equals_dense_when_it_covers_every_visible_block():
+  q, k, v, seg, w = make_case(length=200)
+  iq, iw, ik = indexer_inputs(3, 200)
+
+  def run(fn):
+    return jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * w).sum(), argnums=(0, 1, 2))(
+        q, k, v)
+
+  _, dense_g = run(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
+  dense = reference.attention(q, k, v, seg, seg)[0]
+  out, _, stats = sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208, block=16)
+  close(out, dense, 1e-5)
+  grads = run(lambda q, k, v: sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208,
+                                                   block=16)[0])[1]
+  for g, dg in zip(grads, dense_g):
+    close(g, dg, 1e-5)
+  assert float(stats["selected"]) == np.asarray(reference.visible(seg, seg)).sum()
+
+
+def test_block_selection_stays_in_the_document():
+  rng = np.random.default_rng(11)
+  length = 96
+  seg = jnp.asarray(packed_segments(1, length, rng, 30))
+  q, k, v, _, _ = make_case(length=length, seed=12)
+  q, k, v = q[:1], k[:1], v[:1]
+  v = v + 1000.0 * seg[:, :, None, None]  # each document's values in a range of their own
+  iq, iw, ik = indexer_inputs(1, length, seed=13)
+  out, _, stats = sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=16, block=8)
+  vis = np.asarray(reference.visible(seg, seg)).sum(-1)
+  assert 0 < float(stats["selected"]) <= vis.sum()
+  row = np.asarray(seg[0])
+  # each query's output is a convex combination of its own document's values
+  vals = np.asarray(v[0]).repeat(2, axis=1)  # [L, H, D] (2 query heads per KV head)
+  for t in range(length):
+    if row[t] == 0:
+      assert not np.asarray(out[0, t]).any()
+      continue
+    own = vals[(row == row[t]) & (np.arange(length) <= t)]
+    lo, hi = own.min(0) - 1e-5, own.max(0) + 1e-5
+    assert ((np.asarray(out[0, t]) >= lo) & (np.asarray(out[0, t]) <= hi)).all(), t

@@ -92,6 +92,11 @@ class Attention(nn.Module):
       iq, iw, ik = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
     if self.decode:  # sampling attends densely over the cache
       out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD)
+    elif mode == "sparse" and s.sparse.select == "block":
+      out, peak, stats = sparse_lib.sparse_blocks(
+          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
+          topk=s.sparse.topk, block=s.sparse.block)
+      self._sow(stats)
     elif mode == "sparse":
       out, peak, stats = sparse_lib.sparse(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
