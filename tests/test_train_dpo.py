@@ -195,3 +195,12 @@ def test_generate_verifies_prompts_against_gold(pretrained, tmp_path, capsys):
   assert again["pass@1"] == 1.0 and again["pass@2"] == 1.0
   assert cli.main(["generate", run, "--prompt", "x", "--prompts", str(f)]) == 2
   assert "give --prompt TEXT or --prompts FILE.jsonl" in capsys.readouterr().err
+
+
+def test_pairs_under_the_lm_objective_are_refused(pretrained):
+  from maxlm import MaxlmError
+  from maxlm.train import loop
+  cfg = _config(pretrained / "lm.yaml", pretrained / "pairs", pretrained / "lm")
+  with pytest.raises(MaxlmError, match=r"stages.0 trains on preference pairs \(source 'pairs'\) "
+                     r"with train.objective=lm"):
+    loop.validate(cfg)

@@ -39,6 +39,7 @@ def validate(config):
   if vocab < int(data.manifest["vocab_size"]):
     raise MaxlmError(f"model.vocab_size={vocab} is smaller than the tokenizer's "
                      f"{data.manifest['vocab_size']}")
+  _check_objective(config, data)
   n = len(jax.devices())
   params = build.param_axes(config, vocab)
   for i, stage in enumerate(config.stages):
@@ -55,10 +56,12 @@ def validate(config):
     if shape["context"] > 1 and stage.seq_len % (2 * shape["context"]):
       raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
                        f"{2 * shape['context']} equal chunks for context parallelism")
-    if shape["context"] > 1 and stage.sparse.mode != "dense":
-      raise MaxlmError(f"stages.{i}.sparse.mode={stage.sparse.mode} does not support context "
-                       f"parallelism (mesh context={shape['context']}); set stages.{i}.mesh."
-                       "context=1 (shard the batch, fsdp or tensor instead)")
+    if shape["context"] > 1 and stage.sparse.mode == "sparse" and (
+        stage.sparse.select == "token" or (stage.seq_len // (2 * shape["context"]))
+        % stage.sparse.block):
+      raise MaxlmError(f"stages.{i}.sparse: context parallelism (mesh context="
+                       f"{shape['context']}) needs select=block with seq_len / (2 x context) "
+                       f"a multiple of sparse.block={stage.sparse.block}")
     impl = attention_lib.resolve(stage.attention, seq_len=stage.seq_len)
     multiple = {"splash": 128, "gpu": 16}.get(impl)  # rows of any length are padded to a tile
     if multiple and min(stage.block_q, 128 if impl == "gpu" else stage.block_q) % multiple:
@@ -70,6 +73,18 @@ def validate(config):
                        f"; this machine has only a CPU (set stages.{i}.attention=auto)")
     data.rows_per_host(i, jax.process_count())
   return data, vocab
+
+
+def _check_objective(config, data):
+  """Pairs under the LM objective would teach the rejected answers too: refused."""
+  paired = {n for n, src in data.manifest["sources"].items() if src.get("pairs")}
+  for i in range(len(config.stages)):
+    mix = config.mix_for(i) or dict.fromkeys(data.manifest["sources"], 1.0)
+    used = sorted(n for n in paired if mix.get(n, 0) > 0)
+    if used and config.train.objective == "lm":
+      raise MaxlmError(f"stages.{i} trains on preference pairs (source {used[0]!r}) with "
+                       "train.objective=lm, which would learn the rejected answers too: set "
+                       "train.objective=dpo, or leave the source out of the mix (docs/pairs.md)")
 
 
 def _check_params_divide(i, shape, rules, params):
