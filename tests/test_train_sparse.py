@@ -96,11 +96,22 @@ def test_warmup_freezes_the_main_model_exactly(tmp_path, data_dir):
       {k: v for k, v in after.items() if k != "layers"})
 
 
-def test_sparse_refuses_context_parallelism(tmp_path, data_dir):
+def test_sparse_with_context_parallelism_matches_one_device(tmp_path, data_dir):
   from maxlm.train import loop
-  cfg = three_stages(tmp_path, data_dir, ["stages.2.mesh.context=2", "stages.2.mesh.data=-1"])
-  with pytest.raises(MaxlmError, match="does not support context parallelism"):
-    loop.validate(cfg)
+  assert len(jax.devices()) >= 4
+  one = three_stages(tmp_path, data_dir)
+  loop.train(one, log=lambda *_: None)
+  cp = three_stages(tmp_path, data_dir, [f"run_dir={tmp_path / 'cp'}"] + [
+      f"stages.{s}.mesh.{k}" for s in (1, 2) for k in ("context=2", "data=-1")])
+  loop.train(cp, log=lambda *_: None)
+  want, got = metrics.read_jsonl(one.run_dir), metrics.read_jsonl(cp.run_dir)
+  for a, b in zip(want, got):
+    for key in ("loss", "indexer_kl", "selected_keys", "indexer_recall"):
+      assert b.get(key) == pytest.approx(a.get(key), rel=1e-4), (a["step"], key)
+  bad = three_stages(tmp_path, data_dir, ["stages.2.mesh.context=2", "stages.2.mesh.data=-1",
+                                          "stages.2.sparse.select=token"])
+  with pytest.raises(MaxlmError, match="context parallelism .* needs select=block"):
+    loop.validate(bad)
 
 
 def test_ladder_errors():

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.model import rope as rope_lib
-from maxlm.model.attention import attention, reference, sparse as sparse_lib
+from maxlm.model.attention import attention, reference, sparse as sparse_lib, sparse_context
 from maxlm.model.indexer import Indexer
 
 _REMAT = {
@@ -88,10 +88,17 @@ class Attention(nn.Module):
     v_BxLxKxD = constrain(v, ("batch", "length", "act_kv_heads", None))
     rules = s.rules or {}
     mode = s.sparse.mode if s.sparse is not None else "dense"
+    cp = s.mesh is not None and s.mesh.shape.get("context", 1) > 1
     if mode != "dense":  # the indexer's parameters exist from the first non-dense stage on
       iq, iw, ik = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
     if self.decode:  # sampling attends densely over the cache
       out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD)
+    elif mode == "sparse" and cp:
+      out, peak, stats = sparse_context.sparse(
+          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, mesh=s.mesh,
+          batch_axes=tuple(rules.get("batch", ())) or None, topk=s.sparse.topk,
+          block=s.sparse.block)
+      self._sow(stats)
     elif mode == "sparse" and s.sparse.select == "block":
       out, peak, stats = sparse_lib.sparse_blocks(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
@@ -109,7 +116,12 @@ class Attention(nn.Module):
                          head_axes=tuple(rules.get("act_heads", ())) or None,
                          max_logit=c.max_logit)
       out, peak = result if c.max_logit else (result, jnp.float32(jnp.nan))
-      if mode == "indexer_warmup":
+      if mode == "indexer_warmup" and cp:
+        self._sow(sparse_context.warmup(
+            q_BxLxHxD, k_BxLxKxD, iq, iw, ik, segment_ids_BxL, mesh=s.mesh,
+            batch_axes=tuple(rules.get("batch", ())) or None, topk=s.sparse.topk,
+            chunk=s.sparse.chunk))
+      elif mode == "indexer_warmup":
         self._sow(sparse_lib.warmup(q_BxLxHxD, k_BxLxKxD, iq, iw, ik, segment_ids_BxL,
                                     segment_ids_BxL, topk=s.sparse.topk, chunk=s.sparse.chunk))
     out = constrain(out, ("batch", "length", "act_heads", None))
