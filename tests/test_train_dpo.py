@@ -204,3 +204,36 @@ def test_pairs_under_the_lm_objective_are_refused(pretrained):
   with pytest.raises(MaxlmError, match=r"stages.0 trains on preference pairs \(source 'pairs'\) "
                      r"with train.objective=lm"):
     loop.validate(cfg)
+
+
+def test_dpo_step_with_grad_accum_equals_one_big_batch():
+  from maxlm.model import build
+  from maxlm.parallel import mesh as mesh_lib
+  from maxlm.train import optimizer, step as step_lib
+  spec = importlib.util.spec_from_file_location("bench_dpo", ROOT / "tools" / "bench_dpo.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  cfg = config_lib.from_dict({"model": MODEL, "init": {"from": "x"},
+                              "stages": [{"seq_len": 64, "batch": 16, "steps": 1,
+                                          "attention": "reference"}],
+                              "train": {"objective": "dpo"}})
+  mesh = mesh_lib.make_mesh(cfg.stages[0].mesh)
+  model = build.model_for(cfg, 0, mesh, 64)
+  opt, schedule = optimizer.make(cfg.train, 10)
+  batch = bench.pair_rows(16, 64, 2, 64, np.random.default_rng(0))  # 8 devices: 16 rows
+  out = []
+  for accum in (1, 2):
+    state = step_lib.init_state(model, opt, mesh, cfg.rules, 0, 64)
+    ref = jax.tree_util.tree_map(lambda x: x * 0.9, state["params"])  # a reference != policy
+    step = jax.jit(dpo.make_train_step(model, opt, schedule, cfg.rules, model.cfg, accum, 0.5,
+                                       0.1))
+    with mesh:
+      new, m = step(state, mesh_lib.place_batch(batch, mesh, cfg.rules), ref)
+    out.append((new["params"], {k: float(v) for k, v in m.items()}))
+  (p1, m1), (p2, m2) = out
+  assert m1["pairs"] == m2["pairs"] == 32
+  for k in ("dpo_loss", "reward_margin", "reward_accuracy", "chosen_logp", "grad_norm"):
+    assert m1[k] == pytest.approx(m2[k], rel=1e-4, abs=1e-6), k
+  assert m1["reward_margin"] != 0.0
+  for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+    assert np.allclose(a, b, atol=1e-6)

@@ -34,8 +34,10 @@ FIELDS = ("rows", "tokens", "bytes", "loss", "bpb")
 
 
 def source_order(index, source, split=store.VAL):
-  """The held-out documents of one source in their fixed evaluation order."""
-  docs = np.flatnonzero((index.split == split) & (index.source == source))
+  """The held-out documents of one source in their fixed evaluation order (preference pairs
+  are not text to score: left out)."""
+  docs = np.flatnonzero((index.split == split) & (index.source == source)
+                        & (index.pair[:, 0] == 0))
   name = index.sources[source].encode()
   return docs[np.random.default_rng([zlib.crc32(name), 0xE7A1]).permutation(len(docs))].tolist()
 
