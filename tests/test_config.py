@@ -72,12 +72,15 @@ def test_shipped_configs_load():
 def test_production_schedule_loads_and_fits_1024_chips():
   from maxlm.parallel import mesh as mesh_lib
   cfg = config.load("configs/schedule_4k_1m.yaml")
-  assert [s.seq_len for s in cfg.stages] == [4096, 16384, 65536, 1048576]
+  assert [s.seq_len for s in cfg.stages] == [4096, 16384, 65536, 65536, 1048576]
+  assert [s.sparse.mode for s in cfg.stages] == ["dense", "dense", "indexer_warmup", "sparse",
+                                                 "sparse"]
   assert cfg.model.n_layers == 32 and cfg.model.d_model == 4096
   for stage in cfg.stages:
     shape = dict(zip(config.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, 1024)))
     assert stage.batch % (shape["data"] * shape["fsdp"]) == 0
     assert stage.seq_len % (2 * shape["context"]) == 0
+    assert (stage.seq_len // (2 * shape["context"])) % stage.sparse.block == 0
   assert cfg.stages[-1].mesh.context == -1 and cfg.stages[-1].rope.scaling == "yarn"
 
 
