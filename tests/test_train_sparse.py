@@ -128,3 +128,19 @@ def test_ladder_errors():
   with pytest.raises(config_lib.ConfigError, match="stages.0.sparse.indexer_dim: must be even"):
     config_lib.from_dict({"stages": [{"seq_len": 32, "batch": 8, "steps": 1,
                                       "sparse": {"indexer_dim": 7}}]})
+
+
+@pytest.mark.slow
+def test_verify_restart_kills_across_dense_warmup_sparse(tmp_path, demo_data):
+  shorter = [f"data.dir={demo_data}", "model.size=tiny", "stages.0.steps=4", "stages.1.steps=4",
+             "stages.2.steps=4", "stages.2.seq_len=256", "stages.2.batch=8",
+             "train.checkpoint_every=2", "train.eval_every=0",
+             "stages.1.sparse.mode=indexer_warmup", "stages.1.sparse.topk=32",
+             "stages.2.sparse.mode=sparse", "stages.2.sparse.topk=32",
+             "stages.2.sparse.block=16"]
+  lines = []
+  assert verify.verify(str(ROOT / "configs" / "demo.yaml"), shorter, kills=3,
+                       workdir=str(tmp_path / "verify"), log=lines.append)
+  # each resume compared bitwise (params and optimizer state at the end); SIGKILLs land
+  # mid-stage, at a stage boundary and during a save (here: steps 4, 7, 9 of 0..11)
+  assert sum("(killed)" in line for line in lines) >= 2, lines
