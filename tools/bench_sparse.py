@@ -11,6 +11,10 @@ inputs through its KL), each case in its own process, side by side in one run:
                               on the demo corpus, on held-out rows (--recall; trains a run)
 
   python tools/bench_sparse.py [--json] [--lengths 16384 65536 131072] [--recall]
+      [--dense-max L] [--token-max L]
+
+sparse_* is block selection (`sparse.select: block`, the default), token_* the token-level
+variant (`select: token`), each over the same dense run.
 """
 
 import argparse
@@ -143,6 +147,9 @@ def main(argv=None):
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536, 131072])
   ap.add_argument("--recall", action="store_true", help="train the demo ladder for recall_demo")
+  ap.add_argument("--dense-max", type=int, default=1 << 30,
+                  help="run dense blockwise only up to this length (L^2: an hour at 131072 "
+                       "on a 2-core CPU)")
   ap.add_argument("--token-max", type=int, default=16384,
                   help="run the token-level variant only up to this length (it is slow)")
   ap.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
@@ -153,7 +160,9 @@ def main(argv=None):
     return
   out = {"topk_full_max_abs_diff": topk_full_diff(), "topk": TOPK}
   for length in args.lengths:
-    dense, sp = case("dense", length), case("sparse_block", length)
+    dense = (case("dense", length) if length <= args.dense_max
+             else {"skipped": "--dense-max"})
+    sp = case("sparse_block", length)
     token = case("sparse", length) if length <= args.token_max else {"skipped": "--token-max"}
     out[f"dense_{length}"], out[f"sparse_{length}"], out[f"token_{length}"] = dense, sp, token
     if "seconds" in dense and "seconds" in sp:
