@@ -37,6 +37,7 @@ def _records():
       {"id": "q1", "source": "rl", "prompt": "2 + 2 =", "gold": 4},
       {"id": "q2", "source": "rl", "prompt": "", "gold": 4},  # missing_field
       {"id": "q3", "source": "rl", "prompt": "x", "gold": ""},  # empty_answer
+      {"text": "a fox with a gold field is a document", "gold": 1},
   ]
   return out
 
@@ -59,6 +60,7 @@ def test_pair_records_are_counted_per_reason(prepared):
   assert manifest["truncated_pairs"] == 1
   assert manifest["sources"]["prefs"]["pairs"] == 22
   assert "rl" not in manifest["sources"]  # RL prompts are not training documents
+  assert manifest["sources"]["in"]["documents"] == 61 and manifest["sources"]["in"]["pairs"] == 0
   (prompt,) = [json.loads(l) for l in open(data / prepare.PROMPTS)]
   assert prompt == {"id": "q1", "source": "rl", "prompt": "2 + 2 =", "gold": "4"}
 

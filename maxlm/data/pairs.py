@@ -37,11 +37,14 @@ MAX_PAIR_LEN = 1024
 
 
 def is_pair(record):
+  """A record with `chosen` or `rejected` is a pair (and checked as one), whatever else it has."""
   return isinstance(record, dict) and ("chosen" in record or "rejected" in record)
 
 
 def is_prompt(record):
-  return isinstance(record, dict) and "gold" in record and not is_pair(record)
+  """A record with `gold` and neither `text` nor `messages` (a document may carry a gold)."""
+  return (isinstance(record, dict) and "gold" in record and not is_pair(record)
+          and "text" not in record and "messages" not in record)
 
 
 def _valid(value):
