@@ -1,7 +1,8 @@
 """Preference pairs from the demo corpus: the DPO check the issue asks for (docs/pairs.md).
 
 For each demo document of at least 48 words: prompt = its first 24 words, chosen = the next 16
-(its true continuation), rejected = the same 16 words shuffled. A model that learned the
+(its true continuation), rejected = the same 16 words shuffled; the answers start with the space
+that separates them from the prompt (prompt and answer are joined verbatim). A model that learned the
 corpus prefers the true order; DPO should make that preference sharp.
 
   python tools/demo_pairs.py --out pairs.jsonl [--n 160] [--seed 0] [--raw DIR]
@@ -26,7 +27,7 @@ def demo_pairs(raw_files, n=160, seed=0):
       while shuffled == cont:
         rng.shuffle(shuffled)
       out.append({"id": f"pair-{len(out)}", "source": "pairs", "prompt": " ".join(prompt),
-                  "chosen": " ".join(cont), "rejected": " ".join(shuffled)})
+                  "chosen": " " + " ".join(cont), "rejected": " " + " ".join(shuffled)})
   rng.shuffle(out)
   return out[:n]
 
