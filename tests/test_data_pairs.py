@@ -171,3 +171,33 @@ def test_pair_provenance_and_show_batch_name_both_segments(prepared, tmp_path):
   show.save_row_png(batch, 0, str(tmp_path / "row.png"), pieces=prov[0])
   labels = [show.piece_label(dict(p, role=r)) for p in prov[0] for r in ("chosen", "rejected")]
   assert "pair, chosen" in labels[0] and "pair, rejected" in labels[1]
+
+
+def test_ledger_and_batches_commands_count_pairs_per_stage_and_source(prepared, tmp_path,
+                                                                      capsys):
+  import yaml
+  from maxlm import cli
+  data, _ = prepared
+  cfg = tmp_path / "c.yaml"
+  cfg.write_text(yaml.safe_dump({"data": {"dir": str(data), "mix": {"prefs": 0.5, "in": 0.5}},
+                                 "stages": [{"seq_len": 400, "batch": 2, "steps": 3},
+                                            {"seq_len": 512, "batch": 2, "steps": 2}]}))
+  cli.main(["ledger", str(cfg), "--json"])
+  led = json.loads(capsys.readouterr().out)
+  out = tmp_path / "b.npz"
+  cli.main(["batches", str(cfg), "--stage", "0", "--count", "3", "--out", str(out)])
+  capsys.readouterr()
+  z = np.load(out)
+  prefs = led["stages"][0]["sources"]["prefs"]
+  chosen_segments = sum(len(np.unique(z["segment_ids"][s, r][z["roles"][s, r] == 1]))
+                        for s in range(3) for r in range(2))
+  assert prefs["pairs"] == chosen_segments
+  assert led["stages"][0]["sources"]["in"]["pairs"] == 0
+  assert led["totals"]["prefs"]["pairs"] == sum(st["sources"]["prefs"]["pairs"]
+                                               for st in led["stages"])
+  assert prefs["pairs"] >= 1
+  assert prefs["answer"] + prefs["prompt"] + 2 * prefs["pairs"] == (z["roles"] > 0).sum()
+  # (a pair's positions: each segment's BOS input, its prompt and answer; the EOS is a target)
+  cli.main(["ledger", str(cfg)])
+  table = capsys.readouterr().out
+  assert "pairs" in table.splitlines()[0] and "answer" in table.splitlines()[0]
