@@ -197,12 +197,17 @@ def test_generate_verifies_prompts_against_gold(pretrained, tmp_path, capsys):
   assert "give --prompt TEXT or --prompts FILE.jsonl" in capsys.readouterr().err
 
 
-def test_pairs_under_the_lm_objective_are_refused(pretrained):
+def test_pairs_under_lm_and_dpo_without_pairs_are_refused(pretrained):
   from maxlm import MaxlmError
   from maxlm.train import loop
   cfg = _config(pretrained / "lm.yaml", pretrained / "pairs", pretrained / "lm")
   with pytest.raises(MaxlmError, match=r"stages.0 trains on preference pairs \(source 'pairs'\) "
                      r"with train.objective=lm"):
+    loop.validate(cfg)
+  cfg = _config(pretrained / "dpo-nopairs.yaml", pretrained / "data", pretrained / "x",
+                init={"from": str(pretrained / "pre")}, train={"objective": "dpo"})
+  with pytest.raises(MaxlmError, match=r"stages.0: train.objective=dpo, but no source in its "
+                     "mix holds preference pairs"):
     loop.validate(cfg)
 
 

@@ -85,6 +85,9 @@ def _check_objective(config, data):
       raise MaxlmError(f"stages.{i} trains on preference pairs (source {used[0]!r}) with "
                        "train.objective=lm, which would learn the rejected answers too: set "
                        "train.objective=dpo, or leave the source out of the mix (docs/pairs.md)")
+    if not used and config.train.objective == "dpo":
+      raise MaxlmError(f"stages.{i}: train.objective=dpo, but no source in its mix holds "
+                       f"preference pairs ({config.data.dir}; docs/pairs.md)")
 
 
 def _check_params_divide(i, shape, rules, params):
