@@ -17,6 +17,8 @@ equal and non-zero; a padding row's output is 0. The 1/sqrt(D) scale is applied 
 | auto          |               | per stage, from `auto_rule` (documents per row and length)     |
 
 With a mesh whose `context` axis is larger than 1 the sequence is sharded (`context`).
+Stages with `sparse.mode: sparse` do not come here: the decoder calls `sparse` (DeepSeek sparse
+attention, top-k keys from a lightning indexer) or, under context parallelism, `sparse_context`.
 """
 
 import jax
