@@ -10,10 +10,9 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "maxlm":  # not on
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402
-import json  # noqa: E402
 import warnings  # noqa: E402
 
-from maxlm import MaxlmError, cli_data, config as config_lib, io  # noqa: E402
+from maxlm import MaxlmError, cli_data, cli_run, config as config_lib  # noqa: E402
 
 
 def _add_config(p):
@@ -246,59 +245,6 @@ The quickstart, end to end on this machine's CPU (reruns reuse what is finished)
   7. writes runs/demo/curves.png"""
 
 
-def _open_data(args):
-  from maxlm.data import loader
-  cfg = config_lib.load(args.config, args.overrides)
-  return cfg, loader.Data(cfg)
-
-
-def _check_step(cfg, stage, step, count=1):
-  if not 0 <= stage < len(cfg.stages):
-    raise MaxlmError(f"--stage {stage}: the schedule has stages 0..{len(cfg.stages) - 1}")
-  steps = cfg.stages[stage].num_steps
-  if step < 0 or count < 1 or step + count > steps:
-    raise MaxlmError(f"--step {step} --count {count}: stage {stage} has steps 0..{steps - 1}")
-
-
-def cmd_ledger(args):
-  from maxlm.data import ledger
-  cfg, data = _open_data(args)
-  led = ledger.ledger(data.planner)
-  if args.json:
-    print(json.dumps(led))
-  else:
-    print(ledger.format_table(led, {i: s.name or str(i) for i, s in enumerate(cfg.stages)}))
-
-
-def cmd_batches(args):
-  import numpy as np
-  from maxlm.data import loader
-  cfg, data = _open_data(args)
-  _check_step(cfg, args.stage, args.step, args.count)
-  ds = loader.stage_dataset(data, args.stage, args.host_index, args.hosts)
-  steps = range(args.step, args.step + args.count)
-  arrays = loader.stack([ds[k] for k in steps])
-  prov = loader.provenance_json(data, args.stage, steps, args.host_index, args.hosts)
-  cli_data.ensure_parent(args.out)
-  np.savez(args.out, provenance=np.array(prov), **arrays)
-  shape = arrays["inputs"].shape
-  print(f"wrote {args.out}: {shape[0]} batches x {shape[1]} rows x {shape[2]} positions")
-
-
-def cmd_show_batch(args):
-  from maxlm.data import loader, show
-  cfg, data = _open_data(args)
-  _check_step(cfg, args.stage, args.step)
-  batch = loader.stage_dataset(data, args.stage)[args.step]
-  row = show.busiest_row(batch) if args.row is None else args.row
-  if not 0 <= row < len(batch["inputs"]):
-    raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
-  cli_data.ensure_parent(args.out)
-  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}",
-                    data.provenance(data.global_batch_pieces(args.stage, args.step))[row])
-  print(f"wrote {args.out}")
-
-
 def cmd_train(args):
   from maxlm.train import loop
   cfg = config_lib.load(args.config, args.overrides)
@@ -320,116 +266,6 @@ def cmd_verify_restart(args):
   print("bitwise identical")
 
 
-def cmd_eval(args):
-  import jax
-  from maxlm.data import store
-  from maxlm.eval import bpb, run
-  from maxlm.parallel import mesh as mesh_lib
-  from maxlm.train import step as step_lib
-  config, data, s, mesh, model, params, step = run.open_run(args.run_dir)
-  stage = config.stages[s]
-  nll_fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
-
-  def nll(batch):
-    with mesh:
-      return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules)))
-
-  split = store.VAL if args.split == "val" else store.TRAIN
-  if args.rows is not None and args.rows < 1:
-    raise MaxlmError(f"--rows must be >= 1, got {args.rows}")
-  table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, args.rows or
-                             config.train.eval_rows, split)
-  if not table:
-    raise MaxlmError(f"the data has no {args.split} documents to evaluate")
-  if args.json:
-    print(json.dumps(bpb.jsonable({"step": step, "stage": s, "split": args.split, **table})))
-    return
-  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split; equal rows "
-        "per source (docs/troubleshooting.md)")
-  print(f"{'source':<12}{'rows':>6}{'tokens':>10}{'bytes':>11}{'loss/token':>12}"
-        f"{'bits/byte':>11}")
-  for name, e in [*table["sources"].items(), ("all", table["all"])]:
-    print(f"{name:<12}{e['rows']:>6}{e['tokens']:>10,}{e['bytes']:>11,}{e['loss']:>12.4f}"
-          f"{e['bpb']:>11.4f}")
-
-
-def cmd_trace(args):
-  from maxlm.eval import bpb, trace
-  if args.spikes:
-    found = trace.spike_list(args.run_dir)
-    print(json.dumps({"spikes": found}) if args.json else trace.format_spikes(found))
-    return
-  if args.top < 0:
-    raise MaxlmError(f"--top must be >= 0, got {args.top}")
-  result = trace.trace(args.run_dir, args.step, log=lambda m: print(m, file=sys.stderr))
-  print(json.dumps(bpb.jsonable(result)) if args.json else trace.format_trace(result, args.top))
-
-
-def cmd_generate(args):
-  from maxlm import io
-  from maxlm.data import tokenizer
-  from maxlm.eval import generate, run
-  if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-    raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
-  if (args.prompt is None) == (args.prompts is None):
-    raise MaxlmError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
-  if args.samples < 1:
-    raise MaxlmError(f"--samples must be >= 1, got {args.samples}")
-  if args.prompts:
-    from maxlm.eval import verify
-    prompts, _ = verify.read_prompts(args.prompts)
-  config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
-  sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
-  if args.prompts:
-    result = verify.evaluate(_sampler(args, data, sp, mesh, model, params), prompts,
-                             args.verify, args.samples)
-    print(json.dumps(result) if args.json else verify.format_result(result))
-    return
-  ids = [data.special.bos] + sp.encode(args.prompt)
-  with mesh:
-    out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
-                          temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                          eos_id=data.special.eos)
-  print(args.prompt + sp.decode(out))
-
-
-def _sampler(args, data, sp, mesh, model, params):
-  """sample(prompt, i): the i-th answer to a prompt (seed --seed + i), cut at EOS or <|end|>."""
-  from maxlm.data import pairs, tokenizer
-  from maxlm.eval import generate
-  end = sp.piece_to_id(tokenizer.CHAT_END)
-
-  def sample(prompt, i):
-    ids = [data.special.bos] + pairs.prompt_ids(sp, prompt, not isinstance(prompt, str))
-    with mesh:
-      out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, seed=args.seed + i,
-                            eos_id=data.special.eos)
-    out = out[:out.index(end)] if end in out else out
-    return sp.decode([t for t in out if t != data.special.eos])
-  return sample
-
-
-def cmd_export(args):
-  from maxlm.interop import export
-  if not args.shard_size > 0:
-    raise MaxlmError(f"--shard-size must be > 0 GiB, got {args.shard_size}")
-  if args.step is not None and args.step < 0:
-    raise MaxlmError(f"--step must be >= 0, got {args.step}")
-  done = export.export(args.run_dir, args.out, args.step, args.dtype,
-                       int(args.shard_size * 2**30), not args.no_tokenizer, args.overwrite)
-  print(f"wrote {done['out']}: checkpoint {done['step']} (stage {done['stage']}), "
-        f"{done['tensors']} tensors, {done['bytes'] / 2**20:,.1f} MiB in "
-        f"{len(done['files'])} safetensors file(s), {done['seconds']:.1f} s")
-
-
-def cmd_plot(args):
-  from maxlm.train import plot
-  out = args.out or io.join(args.run_dir, "curves.png")
-  plot.save(args.run_dir, out)
-  print(f"wrote {out}")
-
-
 def cmd_sweep(args):
   from maxlm import sweep
   sweep.sweep(args.config, args.overrides, sweep.parse_budgets(args.budgets), args.sizes,
@@ -444,11 +280,11 @@ def cmd_demo(args):
 
 COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "check-data": cli_data.cmd_check_data,
-            "ledger": cmd_ledger,
-            "batches": cmd_batches,
-            "show-batch": cmd_show_batch, "train": cmd_train, "plot": cmd_plot,
-            "verify-restart": cmd_verify_restart, "eval": cmd_eval, "trace": cmd_trace,
-            "generate": cmd_generate, "export": cmd_export,
+            "ledger": cli_data.cmd_ledger, "batches": cli_data.cmd_batches,
+            "show-batch": cli_data.cmd_show_batch, "train": cmd_train,
+            "plot": cli_run.cmd_plot, "verify-restart": cmd_verify_restart,
+            "eval": cli_run.cmd_eval, "trace": cli_run.cmd_trace,
+            "generate": cli_run.cmd_generate, "export": cli_run.cmd_export,
             "sweep": cmd_sweep, "demo": cmd_demo}
 
 

@@ -1,11 +1,13 @@
-"""The data dir commands: `maxlm prepare`, `maxlm funnel` and `maxlm check-data` (their
-arguments are declared with the others in `maxlm.cli`)."""
+"""The data commands: `maxlm prepare`, `funnel` and `check-data` on a data dir, and `ledger`,
+`batches` and `show-batch` on the plan of a config (their arguments are declared with the
+others in `maxlm.cli`)."""
 
 import dataclasses
+import json
 import os
 import pathlib
 
-from maxlm import MaxlmError, io
+from maxlm import MaxlmError, config as config_lib, io
 
 
 def cmd_prepare(args):
@@ -160,3 +162,56 @@ def cmd_check_data(args):
 
 def ensure_parent(path):
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+def _open_data(args):
+  from maxlm.data import loader
+  cfg = config_lib.load(args.config, args.overrides)
+  return cfg, loader.Data(cfg)
+
+
+def _check_step(cfg, stage, step, count=1):
+  if not 0 <= stage < len(cfg.stages):
+    raise MaxlmError(f"--stage {stage}: the schedule has stages 0..{len(cfg.stages) - 1}")
+  steps = cfg.stages[stage].num_steps
+  if step < 0 or count < 1 or step + count > steps:
+    raise MaxlmError(f"--step {step} --count {count}: stage {stage} has steps 0..{steps - 1}")
+
+
+def cmd_ledger(args):
+  from maxlm.data import ledger
+  cfg, data = _open_data(args)
+  led = ledger.ledger(data.planner)
+  if args.json:
+    print(json.dumps(led))
+  else:
+    print(ledger.format_table(led, {i: s.name or str(i) for i, s in enumerate(cfg.stages)}))
+
+
+def cmd_batches(args):
+  import numpy as np
+  from maxlm.data import loader
+  cfg, data = _open_data(args)
+  _check_step(cfg, args.stage, args.step, args.count)
+  ds = loader.stage_dataset(data, args.stage, args.host_index, args.hosts)
+  steps = range(args.step, args.step + args.count)
+  arrays = loader.stack([ds[k] for k in steps])
+  prov = loader.provenance_json(data, args.stage, steps, args.host_index, args.hosts)
+  ensure_parent(args.out)
+  np.savez(args.out, provenance=np.array(prov), **arrays)
+  shape = arrays["inputs"].shape
+  print(f"wrote {args.out}: {shape[0]} batches x {shape[1]} rows x {shape[2]} positions")
+
+
+def cmd_show_batch(args):
+  from maxlm.data import loader, show
+  cfg, data = _open_data(args)
+  _check_step(cfg, args.stage, args.step)
+  batch = loader.stage_dataset(data, args.stage)[args.step]
+  row = show.busiest_row(batch) if args.row is None else args.row
+  if not 0 <= row < len(batch["inputs"]):
+    raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
+  ensure_parent(args.out)
+  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}",
+                    data.provenance(data.global_batch_pieces(args.stage, args.step))[row])
+  print(f"wrote {args.out}")

@@ -1,0 +1,117 @@
+"""The commands that read a run dir: `maxlm eval`, `trace`, `generate`, `export` and `plot`
+(their arguments are declared with the others in `maxlm.cli`)."""
+
+import json
+import sys
+
+from maxlm import MaxlmError, io
+
+
+def cmd_eval(args):
+  import jax
+  from maxlm.data import store
+  from maxlm.eval import bpb, run
+  from maxlm.parallel import mesh as mesh_lib
+  from maxlm.train import step as step_lib
+  config, data, s, mesh, model, params, step = run.open_run(args.run_dir)
+  stage = config.stages[s]
+  nll_fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
+
+  def nll(batch):
+    with mesh:
+      return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules)))
+
+  split = store.VAL if args.split == "val" else store.TRAIN
+  if args.rows is not None and args.rows < 1:
+    raise MaxlmError(f"--rows must be >= 1, got {args.rows}")
+  table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, args.rows or
+                             config.train.eval_rows, split)
+  if not table:
+    raise MaxlmError(f"the data has no {args.split} documents to evaluate")
+  if args.json:
+    print(json.dumps(bpb.jsonable({"step": step, "stage": s, "split": args.split, **table})))
+    return
+  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split; equal rows "
+        "per source (docs/troubleshooting.md)")
+  print(f"{'source':<12}{'rows':>6}{'tokens':>10}{'bytes':>11}{'loss/token':>12}"
+        f"{'bits/byte':>11}")
+  for name, e in [*table["sources"].items(), ("all", table["all"])]:
+    print(f"{name:<12}{e['rows']:>6}{e['tokens']:>10,}{e['bytes']:>11,}{e['loss']:>12.4f}"
+          f"{e['bpb']:>11.4f}")
+
+
+def cmd_trace(args):
+  from maxlm.eval import bpb, trace
+  if args.spikes:
+    found = trace.spike_list(args.run_dir)
+    print(json.dumps({"spikes": found}) if args.json else trace.format_spikes(found))
+    return
+  if args.top < 0:
+    raise MaxlmError(f"--top must be >= 0, got {args.top}")
+  result = trace.trace(args.run_dir, args.step, log=lambda m: print(m, file=sys.stderr))
+  print(json.dumps(bpb.jsonable(result)) if args.json else trace.format_trace(result, args.top))
+
+
+def cmd_generate(args):
+  from maxlm import io
+  from maxlm.data import tokenizer
+  from maxlm.eval import generate, run
+  if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+    raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
+  if (args.prompt is None) == (args.prompts is None):
+    raise MaxlmError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
+  if args.samples < 1:
+    raise MaxlmError(f"--samples must be >= 1, got {args.samples}")
+  if args.prompts:
+    from maxlm.eval import verify
+    prompts, _ = verify.read_prompts(args.prompts)
+  config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
+  sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
+  if args.prompts:
+    result = verify.evaluate(_sampler(args, data, sp, mesh, model, params), prompts,
+                             args.verify, args.samples)
+    print(json.dumps(result) if args.json else verify.format_result(result))
+    return
+  ids = [data.special.bos] + sp.encode(args.prompt)
+  with mesh:
+    out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
+                          temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                          eos_id=data.special.eos)
+  print(args.prompt + sp.decode(out))
+
+
+def _sampler(args, data, sp, mesh, model, params):
+  """sample(prompt, i): the i-th answer to a prompt (seed --seed + i), cut at EOS or <|end|>."""
+  from maxlm.data import pairs, tokenizer
+  from maxlm.eval import generate
+  end = sp.piece_to_id(tokenizer.CHAT_END)
+
+  def sample(prompt, i):
+    ids = [data.special.bos] + pairs.prompt_ids(sp, prompt, not isinstance(prompt, str))
+    with mesh:
+      out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_k=args.top_k, seed=args.seed + i,
+                            eos_id=data.special.eos)
+    out = out[:out.index(end)] if end in out else out
+    return sp.decode([t for t in out if t != data.special.eos])
+  return sample
+
+
+def cmd_export(args):
+  from maxlm.interop import export
+  if not args.shard_size > 0:
+    raise MaxlmError(f"--shard-size must be > 0 GiB, got {args.shard_size}")
+  if args.step is not None and args.step < 0:
+    raise MaxlmError(f"--step must be >= 0, got {args.step}")
+  done = export.export(args.run_dir, args.out, args.step, args.dtype,
+                       int(args.shard_size * 2**30), not args.no_tokenizer, args.overwrite)
+  print(f"wrote {done['out']}: checkpoint {done['step']} (stage {done['stage']}), "
+        f"{done['tensors']} tensors, {done['bytes'] / 2**20:,.1f} MiB in "
+        f"{len(done['files'])} safetensors file(s), {done['seconds']:.1f} s")
+
+
+def cmd_plot(args):
+  from maxlm.train import plot
+  out = args.out or io.join(args.run_dir, "curves.png")
+  plot.save(args.run_dir, out)
+  print(f"wrote {out}")
