@@ -145,7 +145,7 @@ def case(kind, length, repeats=1):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--json", action="store_true")
-  ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536, 131072])
+  ap.add_argument("--lengths", type=int, nargs="*", default=[16384, 65536, 131072])
   ap.add_argument("--recall", action="store_true", help="train the demo ladder for recall_demo")
   ap.add_argument("--dense-max", type=int, default=1 << 30,
                   help="run dense blockwise only up to this length (L^2: an hour at 131072 "
