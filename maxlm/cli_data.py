@@ -182,10 +182,26 @@ def cmd_ledger(args):
   from maxlm.data import ledger
   cfg, data = _open_data(args)
   led = ledger.ledger(data.planner)
+  for stage, entry in zip(cfg.stages, led["stages"]):
+    entry["attention"] = attention_mode(stage)
   if args.json:
     print(json.dumps(led))
   else:
-    print(ledger.format_table(led, {i: s.name or str(i) for i, s in enumerate(cfg.stages)}))
+    names = {i: s.name or str(i) for i, s in enumerate(cfg.stages)}
+    print(ledger.format_table(led, names))
+    print("attention per stage (docs/schedule.md): " + "; ".join(
+        f"{names[i]} {e['attention']}" for i, e in enumerate(led["stages"])))
+
+
+def attention_mode(stage):
+  """How a stage attends: dense, the indexer's warm-up, or sparse top-k (its selection)."""
+  sp = stage.sparse
+  if sp.mode == "dense":
+    return "dense"
+  indexer = f"indexer {sp.indexer_heads}x{sp.indexer_dim}"
+  if sp.mode == "indexer_warmup":
+    return f"dense, {indexer} warming up (main model frozen)"
+  return f"sparse top-{sp.topk} ({sp.select} selection), {indexer}"
 
 
 def cmd_batches(args):

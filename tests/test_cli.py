@@ -46,6 +46,11 @@ def test_ledger_json_totals_match_batches(cfg_path, tmp_path):
     assert set(prov[0][0][0]) == {"source", "doc_id", "start", "end", "context", "fim"}
   table = maxlm("ledger", cfg_path)
   assert "(padding)" in table.stdout and table.returncode == 0
+  assert "attention per stage (docs/schedule.md): 0 dense; 1 dense" in table.stdout
+  warm = maxlm("ledger", cfg_path, "stages.1.sparse.mode=indexer_warmup", "--json")
+  assert warm.returncode == 0, warm.stderr
+  modes = [st["attention"] for st in json.loads(warm.stdout)["stages"]]
+  assert modes == ["dense", "dense, indexer 4x64 warming up (main model frozen)"]
 
 
 def test_batches_host_slices_and_errors(cfg_path, tmp_path):

@@ -18,6 +18,7 @@ variant (`select: token`), each over the same dense run.
 """
 
 import argparse
+import os
 import json
 import resource
 import subprocess
@@ -32,7 +33,8 @@ def _inputs(length, seed=0):
   import jax.numpy as jnp
   import numpy as np
   rng = np.random.default_rng(seed)
-  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  dtype = os.environ.get("MAXLM_BENCH_DTYPE", "float32")  # set by --dtype for every case
+  f = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
   return (f(1, length, HEADS, DIM), f(1, length, KV_HEADS, DIM), f(1, length, KV_HEADS, DIM),
           f(1, length, I_HEADS, I_DIM) / I_DIM ** 0.5, f(1, length, I_HEADS),
           f(1, length, I_DIM), jnp.ones((1, length), jnp.int32))
@@ -152,8 +154,11 @@ def main(argv=None):
                        "on a 2-core CPU)")
   ap.add_argument("--token-max", type=int, default=16384,
                   help="run the token-level variant only up to this length (it is slow)")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                  help="of q, k, v and the indexer inputs (training computes in model.dtype)")
   ap.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  os.environ["MAXLM_BENCH_DTYPE"] = args.dtype
   if args.case:
     kind, length, repeats = args.case
     print(json.dumps(run_case(kind, int(length), int(repeats))))
