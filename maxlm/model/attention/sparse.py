@@ -170,12 +170,7 @@ def sparse(q, k, v, iq, iw, ik, q_seg, kv_seg, q_offset=0, *, topk, chunk=0):
     kl = _kl(p, _log_softmax(sel_scores, chosen), chosen)
     return out.astype(q.dtype), peak, kl, chosen.sum(-1).astype(jnp.float32)
 
-  out, peak, kl, selected = jax.lax.map(
-      body, (jnp.arange(n), _chunks(q, n, c), _chunks(iq, n, c), _chunks(iw, n, c),
-             _chunks(q_seg_p, n, c)))
-  out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, d)[:, :lq]
-  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * c)[:, :lq]
-  return out, jnp.max(peak), _stats(unchunk(kl), unchunk(selected), q_seg)
+  return _map_chunks(body, q, iq, iw, q_seg_p, q_seg, n, c, lq)
 
 
 def sparse_blocks(q, k, v, iq, iw, ik, q_seg, kv_seg, q_offset=0, *, topk, block=64):
@@ -226,9 +221,15 @@ def sparse_blocks(q, k, v, iq, iw, ik, q_seg, kv_seg, q_offset=0, *, topk, block
     kl = _kl(p, _log_softmax(sel_scores, mask), mask)
     return out.astype(q.dtype), peak, kl, mask.sum(-1).astype(jnp.float32)
 
+  return _map_chunks(body, q, iq, iw, q_seg_p, q_seg, n, c, lq)
+
+
+def _map_chunks(body, q, iq, iw, q_seg_p, q_seg, n, c, lq):
+  """Runs body over the n query chunks of c positions; (out, peak, stats) unpadded to lq."""
+  b, _, h, d = q.shape
   out, peak, kl, selected = jax.lax.map(
       body, (jnp.arange(n), _chunks(q, n, c), _chunks(iq, n, c), _chunks(iw, n, c),
              _chunks(q_seg_p, n, c)))
   out = jnp.moveaxis(out, 0, 1).reshape(b, n * c, h, d)[:, :lq]
-  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * c)[:, :lq]
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * c)[:, :lq]  # noqa: E731
   return out, jnp.max(peak), _stats(unchunk(kl), unchunk(selected), q_seg)
