@@ -250,11 +250,13 @@ class SparseConfig:
   chunk: int = 0  # >= 0; queries per step of the token-level loop (0: chosen from the length)
   select: str = "block"  # block (top-k // block key blocks per query block) | token (top-k keys)
   block: int = 64  # in [8, 4096]; query and key block size of select=block
+  recall_blocks: int = 4  # in [0, 4096]; query blocks per row and layer whose recall is measured
 
   def check(self, key):
     if self.select not in ("block", "token"):
       raise ConfigError(f"{key}.select: expected block or token, got {self.select!r}")
     _in_range(f"{key}.block", self.block, 8, 4096)
+    _in_range(f"{key}.recall_blocks", self.recall_blocks, 0, 4096)
     if self.mode not in SPARSE_MODES:
       raise ConfigError(f"{key}.mode: expected one of {', '.join(SPARSE_MODES)}, "
                         f"got {self.mode!r}")

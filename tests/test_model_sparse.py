@@ -1,10 +1,11 @@
-"""DeepSeek sparse attention (maxlm/model/attention/sparse.py): equality with dense, segments."""
+"""DeepSeek sparse attention (maxlm/model/attention/sparse.py, sparse_blocks.py): equality with
+dense, segments, packing, recall."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm.model.attention import reference, sparse
+from maxlm.model.attention import reference, sparse, sparse_blocks
 from test_model_attention import close, make_case, packed_segments
 
 
@@ -103,9 +104,9 @@ def test_block_selection_equals_dense_when_it_covers_every_visible_block():
 
   _, dense_g = run(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
   dense = reference.attention(q, k, v, seg, seg)[0]
-  out, _, stats = sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208, block=16)
+  out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208, block=16)
   close(out, dense, 1e-5)
-  grads = run(lambda q, k, v: sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208,
+  grads = run(lambda q, k, v: sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208,
                                                    block=16)[0])[1]
   for g, dg in zip(grads, dense_g):
     close(g, dg, 1e-5)
@@ -120,7 +121,7 @@ def test_block_selection_stays_in_the_document():
   q, k, v = q[:1], k[:1], v[:1]
   v = v + 1000.0 * seg[:, :, None, None]  # each document's values in a range of their own
   iq, iw, ik = indexer_inputs(1, length, seed=13)
-  out, _, stats = sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=16, block=8)
+  out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=16, block=8)
   vis = np.asarray(reference.visible(seg, seg)).sum(-1)
   assert 0 < float(stats["selected"]) <= vis.sum()
   row = np.asarray(seg[0])
@@ -133,3 +134,110 @@ def test_block_selection_stays_in_the_document():
     own = vals[(row == row[t]) & (np.arange(length) <= t)]
     lo, hi = own.min(0) - 1e-5, own.max(0) + 1e-5
     assert ((np.asarray(out[0, t]) >= lo) & (np.asarray(out[0, t]) <= hi)).all(), t
+
+
+def brute_force_block_mask(seg, iq, iw, ik, topk, c):
+  """[B, L, L]: what block selection lets query t see, from the indexer scores in numpy."""
+  seg, iq, iw, ik = (np.asarray(x, np.float64) for x in (seg, iq, iw, ik))
+  b, length = seg.shape
+  nb, kb = length // c, max(1, min(topk // c, length // c))
+  pos = np.arange(length)
+  vis = ((pos[:, None] >= pos[None]) & (seg[:, :, None] == seg[:, None])
+         & (seg > 0)[:, :, None])
+  scores = np.einsum("btj,btjs->bts", iw, np.maximum(np.einsum("btje,bse->btjs", iq, ik), 0))
+  mask = np.zeros_like(vis)
+  for r in range(b):
+    for i in range(nb):
+      rows = slice(i * c, (i + 1) * c)
+      s = np.where(vis[r, rows], scores[r, rows], -np.inf).reshape(c, nb, c).max(axis=(0, 2))
+      s[i] = np.inf if np.isfinite(s[i]) else s[i]
+      keep = [j for j in np.argsort(-s, kind="stable")[:kb] if s[j] > -np.inf]
+      for j in keep:
+        mask[r, rows, j * c:(j + 1) * c] = vis[r, rows, j * c:(j + 1) * c]
+  return mask, vis
+
+
+def masked_attention(q, k, v, mask):
+  """Dense softmax attention over an arbitrary [B, L, L] mask (GQA), zero where nothing shows."""
+  g = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  logits = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  m = jnp.asarray(mask)[:, None]
+  probs = jnp.where(m, jax.nn.softmax(jnp.where(m, logits, -1e30), axis=-1), 0.0)
+  return jnp.einsum("bhts,bshd->bthd", probs, v), probs
+
+
+def test_block_selection_with_a_partial_selection_matches_masked_dense_attention():
+  """Forward, the custom backward and the indexer's KL gradients against plain autodiff of
+  dense attention under the brute-force selection mask."""
+  length, c, topk = 96, 8, 24
+  q, k, v, seg, w = make_case(length=length, max_doc=60, seed=21)
+  iq, iw, ik = indexer_inputs(3, length, seed=22)
+  mask, _ = brute_force_block_mask(seg, iq, iw, ik, topk, c)
+  assert mask.sum() < reference.visible(seg, seg).sum()  # the selection really drops keys
+  valid = (np.asarray(seg) > 0)
+
+  def want(q, k, v, iq, iw, ik):
+    out, probs = masked_attention(q, k, v, mask)
+    p = jax.lax.stop_gradient(probs.mean(axis=1))
+    scores = jnp.einsum("btj,btjs->bts", iw, jax.nn.relu(jnp.einsum("btje,bse->btjs", iq, ik)))
+    log_q = sparse._log_softmax(scores, jnp.asarray(mask))
+    kl = sparse._kl(p, log_q, jnp.asarray(mask))
+    return (out * w).sum() + jnp.sum(kl * valid), out
+
+  def got(q, k, v, iq, iw, ik):
+    out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk,
+                                                block=c)
+    return (out * w).sum() + stats["kl"], out
+
+  args = (q, k, v, iq, iw, ik)
+  (lw, ow), gw = jax.value_and_grad(want, argnums=range(6), has_aux=True)(*args)
+  (lg, og), gg = jax.value_and_grad(got, argnums=range(6), has_aux=True)(*args)
+  close(og, ow, 1e-5)
+  close(lg, lw, 1e-5)
+  for a, b in zip(gg, gw):
+    close(a, b, 1e-5)
+  stats = sparse_blocks.sparse_blocks(*args, seg, seg, topk=topk, block=c)[2]
+  assert float(stats["selected"]) == mask.sum()
+
+
+def test_block_recall_is_the_dense_mass_on_the_selected_keys():
+  length, c, topk = 96, 8, 24
+  q, k, v, seg, _ = make_case(length=length, max_doc=60, seed=23)
+  iq, iw, ik = indexer_inputs(3, length, seed=24)
+  mask, vis = brute_force_block_mask(seg, iq, iw, ik, topk, c)
+  _, probs = masked_attention(q, k, v, vis)
+  mass = np.asarray(probs).mean(axis=1)  # [B, L, L], mean over heads
+  per_query = (mass * mask).sum(-1)
+  valid = np.asarray(seg) > 0
+  stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c,
+                                      recall_blocks=length // c)[2]  # every block
+  assert float(stats["recall_queries"]) == valid.sum()
+  np.testing.assert_allclose(float(stats["recall"]), per_query[valid].sum(), rtol=1e-5)
+  assert per_query[valid].mean() < 0.999  # a partial selection: recall is informative
+  # a sample of 2 blocks: blocks 3 and 9 of 12, as documented
+  two = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c,
+                                    recall_blocks=2)[2]
+  rows = np.zeros(length, bool)
+  rows[3 * c:4 * c] = rows[9 * c:10 * c] = True
+  np.testing.assert_allclose(float(two["recall"]), per_query[valid & rows].sum(), rtol=1e-5)
+  assert float(two["recall_queries"]) == (valid & rows).sum()
+
+
+def test_block_selection_is_packing_invariant_for_block_aligned_documents():
+  """A document starting on a block boundary sees the same keys packed or alone (the block grid
+  is the same relative to it); a document that fits in k keys is dense wherever it sits."""
+  length, c, topk = 128, 8, 16
+  q, k, v, _, _ = make_case(length=length, seed=25)
+  q, k, v = q[:1], k[:1], v[:1]
+  iq, iw, ik = indexer_inputs(1, length, seed=26)
+  seg = np.zeros((1, length), np.int32)
+  seg[0, 0:40], seg[0, 40:45], seg[0, 48:112], seg[0, 112:121] = 1, 2, 3, 4
+  seg = jnp.asarray(seg)
+  out = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c)[0]
+  for a, n in ((0, 40), (48, 64), (40, 5), (112, 9)):  # aligned long; short ones anywhere
+    take = lambda x: x[:, a:a + n]  # noqa: E731
+    one = jnp.ones((1, n), jnp.int32)
+    alone = sparse_blocks.sparse_blocks(take(q), take(k), take(v), take(iq), take(iw),
+                                        take(ik), one, one, topk=topk, block=c)[0]
+    close(alone[0], out[0, a:a + n], 1e-5)

@@ -44,7 +44,7 @@ def _grad_fns(topk):
   """sparse_block: the implementation training uses (`sparse.select: block`); sparse: the
   token-level variant (`select: token`)."""
   import jax
-  from maxlm.model.attention import blockwise, sparse
+  from maxlm.model.attention import blockwise, sparse, sparse_blocks
 
   def dense(q, k, v, iq, iw, ik, seg):
     return blockwise.attention(q, k, v, seg, seg, block_q=BLOCK, block_k=BLOCK)[0].sum()
@@ -54,7 +54,7 @@ def _grad_fns(topk):
     return out.sum() + stats["kl"]
 
   def block_loss(q, k, v, iq, iw, ik, seg):
-    out, _, stats = sparse.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=64)
+    out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=64)
     return out.sum() + stats["kl"]
 
   grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from maxlm.model import rope as rope_lib
 from maxlm.model.attention import attention, reference, sparse as sparse_lib, sparse_context
+from maxlm.model.attention import sparse_blocks
 from maxlm.model.indexer import Indexer
 
 _REMAT = {
@@ -97,12 +98,12 @@ class Attention(nn.Module):
       out, peak, stats = sparse_context.sparse(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, mesh=s.mesh,
           batch_axes=tuple(rules.get("batch", ())) or None, topk=s.sparse.topk,
-          block=s.sparse.block)
+          block=s.sparse.block, recall_blocks=s.sparse.recall_blocks)
       self._sow(stats)
     elif mode == "sparse" and s.sparse.select == "block":
-      out, peak, stats = sparse_lib.sparse_blocks(
+      out, peak, stats = sparse_blocks.sparse_blocks(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
-          topk=s.sparse.topk, block=s.sparse.block)
+          topk=s.sparse.topk, block=s.sparse.block, recall_blocks=s.sparse.recall_blocks)
       self._sow(stats)
     elif mode == "sparse":
       out, peak, stats = sparse_lib.sparse(

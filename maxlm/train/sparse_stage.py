@@ -65,16 +65,16 @@ def grow(state, model, opt, mesh, rules, seed, seq_len, shardings):
   return {**state, "params": params, "opt_state": opt_state}
 
 
-METRICS = {"indexer_kl": "kl", "indexer_recall": "recall", "selected_keys": "selected"}
+METRICS = {"indexer_kl": ("kl", "queries"), "indexer_recall": ("recall", "recall_queries"),
+           "selected_keys": ("selected", "queries")}
 
 
 def metrics(sums):
-  """Per-query means over layers from build.loss_fn's indexer sums (those present)."""
-  if "indexer_queries_sum" not in sums:
-    return {}
-  queries = jnp.maximum(sums["indexer_queries_sum"], 1.0)
-  return {name: sums[f"indexer_{key}_sum"] / queries for name, key in METRICS.items()
-          if f"indexer_{key}_sum" in sums}
+  """Per-query means over layers from build.loss_fn's indexer sums (those present); recall is
+  over the queries it was measured on (all in warm-up, sampled blocks in sparse mode)."""
+  return {name: sums[f"indexer_{key}_sum"] / jnp.maximum(sums[f"indexer_{over}_sum"], 1.0)
+          for name, (key, over) in METRICS.items()
+          if f"indexer_{key}_sum" in sums and f"indexer_{over}_sum" in sums}
 
 
 def sum_keys(model):
@@ -82,5 +82,7 @@ def sum_keys(model):
   mode = mode_of(model)
   if mode == "dense":
     return ()
-  keys = ("kl", "selected", "queries") + (("recall",) if mode == "indexer_warmup" else ())
+  sp = model.settings.sparse
+  measured = mode == "indexer_warmup" or (sp.select == "block" and sp.recall_blocks > 0)
+  keys = ("kl", "selected", "queries") + (("recall", "recall_queries") if measured else ())
   return tuple(f"indexer_{k}_sum" for k in keys)

@@ -6,26 +6,24 @@ attends to its top-k keys by I (a query with fewer than k visible keys sees all 
 is dense attention exactly); in `indexer_warmup` mode the caller runs dense attention and this
 module only computes the indexer's KL loss against the dense distribution.
 
-Two selections, both chunked over queries with `lax.map`, each chunk rematerialised in the
-backward pass keeping only the selected indices, so memory is O(L * k) plus one chunk's working
-set and [L, L] is never built; the full indexer scoring runs under stop_gradient (selection is
+Two selections, both chunked over queries so memory is O(L * k) plus one chunk's working set
+and [L, L] is never built; the full indexer scoring runs under stop_gradient (selection is
 discrete, and the indexer gets no gradient from the language-model loss), its KL loss flows
 through the selected keys only:
   - `sparse` (select: token): each query's own top-k keys, gathered per query ([C, k, K, D]
-    per chunk of C queries). The method's definition; slow on CPU (one gather per query).
-  - `sparse_blocks` (select: block, the default): each block of 64 queries attends to the
-    k // 64 key blocks of highest indexer score (max of I over the block's queries and visible
-    keys; the diagonal block always chosen), one gather per query block and dense matmuls
-    inside. Chosen by measurement (tools/bench_sparse.py, docs/schedule.md): 6.6x faster
-    than token-level at L = 4096 on a 2-core CPU, at the same k. A query block with k or fewer
-    visible keys sees them all (dense exactly); inside a chosen block, causality and segments
-    still mask.
+    per chunk of C queries), a `lax.map` whose chunks are rematerialised in the backward pass
+    keeping only the selected indices. The method's definition; slow on CPU (one gather per
+    query).
+  - block selection (`select: block`, the default) lives in `sparse_blocks.py`: top-k KV
+    blocks per query block, with its own backward pass; chosen by measurement
+    (tools/bench_sparse.py, docs/schedule.md).
 We wrote it in pure JAX (no kernel library offers DSA on CPU, TPU and GPU alike).
 
 KL target p(t, .): the main attention probabilities summed over heads and renormalised (the
 mean over heads, since each head sums to 1), under stop_gradient; KL(p || softmax(I(t, .))).
-Stats per call (sums over valid queries): kl, selected (keys per query), queries, and in warm-up
-recall (dense attention mass on the top-k keys by I).
+Stats per call (sums over valid queries): kl, selected (keys per query), queries, and recall
+(dense attention mass on the top-k keys by I) over recall_queries: every query in warm-up,
+sampled query blocks in sparse mode (`sparse_blocks.py`).
 """
 
 import functools
@@ -91,7 +89,7 @@ def _stats(kl, selected, q_seg, recall=None):
   out = {"kl": jnp.sum(kl * valid), "selected": jnp.sum(selected * valid),
          "queries": jnp.sum(valid)}
   if recall is not None:
-    out["recall"] = jnp.sum(recall * valid)
+    out["recall"], out["recall_queries"] = jnp.sum(recall * valid), out["queries"]
   return out
 
 
@@ -169,57 +167,6 @@ def sparse(q, k, v, iq, iw, ik, q_seg, kv_seg, q_offset=0, *, topk, chunk=0):
     sel_scores = jnp.einsum("bcj,bcjs->bcs", iw_c.astype(jnp.float32), jax.nn.relu(dots))
     kl = _kl(p, _log_softmax(sel_scores, chosen), chosen)
     return out.astype(q.dtype), peak, kl, chosen.sum(-1).astype(jnp.float32)
-
-  return _map_chunks(body, q, iq, iw, q_seg_p, q_seg, n, c, lq)
-
-
-def sparse_blocks(q, k, v, iq, iw, ik, q_seg, kv_seg, q_offset=0, *, topk, block=64):
-  """`sparse` with KV blocks as the unit: each block of `block` queries attends to the
-  topk // block key blocks with the highest indexer score (the largest I(t, s) over its
-  queries and the block's visible keys), the diagonal block always among them, masked
-  causally and by segment inside. One gather per query block instead of one per query."""
-  b, lq, h, d = q.shape
-  kh = k.shape[2]
-  c = block
-  (q, iq, iw), q_seg_p = _pad_queries([q, iq, iw], q_seg, c)
-  (k, v, ik), kv_seg = _pad_queries([k, v, ik], kv_seg, c)
-  n, nk = q.shape[1] // c, k.shape[1] // c
-  kb = max(1, min(topk // c, nk))
-  scale = 1.0 / np.sqrt(d).astype(np.float32)
-  k_blocks, v_blocks = (x.reshape(b, nk, c, *x.shape[2:]) for x in (k, v))
-  ik_blocks, seg_blocks = ik.reshape(b, nk, c, -1), kv_seg.reshape(b, nk, c)
-  gather = jax.vmap(lambda x, i: x[i].reshape(-1, *x.shape[2:]))  # [nk, c, ...] by [kb]
-
-  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
-      "sparse_idx", "sparse_chosen"))
-  def body(args):
-    i, q_c, iq_c, iw_c, qs_c = args
-    q_pos = q_offset + i * c + jnp.arange(c)
-    vis = _visible(qs_c, kv_seg, q_pos)
-    scores = jax.lax.stop_gradient(indexer_scores(iq_c, iw_c, ik))
-    per_block = jnp.max(jnp.where(vis, scores, -jnp.inf).reshape(b, c, nk, c), axis=(1, 3))
-    diagonal = jnp.arange(nk) == (q_offset // c + i)
-    per_block = jnp.where(diagonal & jnp.isfinite(per_block), jnp.inf, per_block)
-    vals, idx = jax.lax.top_k(per_block, kb)  # [B, kb]
-    idx = checkpoint_name(idx, "sparse_idx")
-    chosen = checkpoint_name(vals > -jnp.inf, "sparse_chosen")
-    k_pos = (idx[:, :, None] * c + jnp.arange(c)).reshape(b, kb * c)
-    same = qs_c[:, :, None] == gather(seg_blocks, idx)[:, None, :]
-    live = jnp.repeat(chosen, c, axis=1)[:, None, :]
-    mask = (q_pos[None, :, None] >= k_pos[:, None, :]) & same & (qs_c > 0)[:, :, None] & live
-    k_sel, v_sel = gather(k_blocks, idx), gather(v_blocks, idx)  # [B, kb*c, K, D]
-    q5 = q_c.reshape(b, c, kh, h // kh, d)
-    logits = jnp.einsum("bckgd,bskd->bkgcs", q5, k_sel, preferred_element_type=jnp.float32)
-    logits = logits * scale
-    m5 = mask[:, None, None]
-    probs = jnp.exp(_log_softmax(logits, m5)) * m5
-    out = jnp.einsum("bkgcs,bskd->bckgd", probs.astype(v.dtype), v_sel,
-                     preferred_element_type=jnp.float32).reshape(b, c, h, d)
-    peak = jnp.max(jnp.where(m5, jax.lax.stop_gradient(logits), -jnp.inf))
-    p = jax.lax.stop_gradient(jnp.mean(probs, axis=(1, 2)))  # [B, C, kb*c]
-    sel_scores = indexer_scores(iq_c, iw_c, gather(ik_blocks, idx))
-    kl = _kl(p, _log_softmax(sel_scores, mask), mask)
-    return out.astype(q.dtype), peak, kl, mask.sum(-1).astype(jnp.float32)
 
   return _map_chunks(body, q, iq, iw, q_seg_p, q_seg, n, c, lq)
 

@@ -21,7 +21,7 @@ def _spec(x, batch_axes):
   return P(batch_axes, "context", *([None] * (x.ndim - 2)))
 
 
-def run(fn, q_args, kv_args, segment_ids, *, mesh, batch_axes, block, with_out):
+def run(fn, q_args, kv_args, segment_ids, *, mesh, batch_axes, block, with_out, keys):
   """fn(*q_parts, *kv_full, q_seg, kv_seg, offset) -> (out, peak, stats) if with_out, else
   stats; q_args and kv_args are [B, L, ...] arrays; returns the same, for the whole row."""
   n = mesh.shape["context"]
@@ -35,7 +35,7 @@ def run(fn, q_args, kv_args, segment_ids, *, mesh, batch_axes, block, with_out):
   zseg = segment_ids[:, order]
   axes = tuple(a for a in (batch_axes or ()) if a) + ("context",)
   in_specs = tuple(_spec(x, batch_axes) for x in zq + zkv) + (P(batch_axes, "context"),)
-  stats_spec = {"kl": P(), "selected": P(), "queries": P(), "recall": P()}
+  stats_spec = {k: P() for k in ("kl", "selected", "queries", "recall", "recall_queries")}
 
   def local(*args):
     ql, kvl, sl = args[:len(zq)], args[len(zq):-1], args[-1]
@@ -56,7 +56,6 @@ def run(fn, q_args, kv_args, segment_ids, *, mesh, batch_axes, block, with_out):
     peak = jax.lax.pmax(jax.lax.stop_gradient(jnp.maximum(p0, p1)), tuple(mesh.axis_names))
     return jnp.concatenate([o0, o1], axis=1), peak, stats
 
-  keys = ("kl", "selected", "queries") + (() if with_out else ("recall",))
   st_spec = {k: stats_spec[k] for k in keys}
   out_specs = (_spec(q_args[0], batch_axes), P(), st_spec) if with_out else st_spec
   wrapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -68,12 +67,14 @@ def run(fn, q_args, kv_args, segment_ids, *, mesh, batch_axes, block, with_out):
   return out[:, inverse], peak, stats
 
 
-def sparse(q, k, v, iq, iw, ik, segment_ids, *, mesh, batch_axes, topk, block):
-  from maxlm.model.attention import sparse as sparse_lib
-  fn = lambda q, iq, iw, k, v, ik, qs, ks, off: sparse_lib.sparse_blocks(
-      q, k, v, iq, iw, ik, qs, ks, off, topk=topk, block=block)
+def sparse(q, k, v, iq, iw, ik, segment_ids, *, mesh, batch_axes, topk, block,
+           recall_blocks=0):
+  from maxlm.model.attention import sparse_blocks
+  fn = lambda q, iq, iw, k, v, ik, qs, ks, off: sparse_blocks.sparse_blocks(
+      q, k, v, iq, iw, ik, qs, ks, off, topk=topk, block=block, recall_blocks=recall_blocks)
+  keys = ("kl", "selected", "queries") + (("recall", "recall_queries") if recall_blocks else ())
   return run(fn, [q, iq, iw], [k, v, ik], segment_ids, mesh=mesh, batch_axes=batch_axes,
-             block=block, with_out=True)
+             block=block, with_out=True, keys=keys)
 
 
 def warmup(q, k, iq, iw, ik, segment_ids, *, mesh, batch_axes, topk, chunk):
@@ -81,4 +82,4 @@ def warmup(q, k, iq, iw, ik, segment_ids, *, mesh, batch_axes, topk, chunk):
   fn = lambda q, iq, iw, k, ik, qs, ks, off: sparse_lib.warmup(
       q, k, iq, iw, ik, qs, ks, off, topk=topk, chunk=chunk)
   return run(fn, [q, iq, iw], [k, ik], segment_ids, mesh=mesh, batch_axes=batch_axes, block=1,
-             with_out=False)
+             with_out=False, keys=("kl", "selected", "queries", "recall", "recall_queries"))
