@@ -39,7 +39,8 @@ def test_dense_warmup_sparse_trains_and_resumes_exactly(tmp_path, data_dir):
   assert all("indexer_kl" not in r for r in rows[:4])
   warm, sparse = rows[4:8], rows[8:]
   assert all({"indexer_kl", "indexer_recall", "selected_keys"} <= set(r) for r in warm)
-  assert all({"indexer_kl", "selected_keys"} <= set(r) for r in sparse)
+  assert all({"indexer_kl", "selected_keys", "indexer_recall"} <= set(r) for r in sparse)
+  assert all(0 < r["indexer_recall"] <= 1 + 1e-6 for r in sparse)
   assert warm[-1]["indexer_kl"] < warm[0]["indexer_kl"]
   assert all(0 < r["indexer_recall"] <= 1 + 1e-6 for r in warm)
   assert all(0 < r["selected_keys"] <= 16 for r in sparse)

@@ -1,20 +1,24 @@
-"""Sparse (DeepSeek sparse attention, token-level top-k) vs dense blockwise attention.
+"""Sparse (DeepSeek sparse attention, top-k KV blocks) vs dense attention, one layer.
 
 One layer's attention, one row (one document), 16 query heads / 4 KV heads x 128, indexer
-4 heads x 64, k = 2048, f32, forward + backward (gradients of q, k, v and the indexer's
-inputs through its KL), each case in its own process, side by side in one run:
+4 heads x 64, k = 2048, f32 (--dtype), forward + backward (gradients of q, k, v and the
+indexer's inputs through its KL), each case in its own process, side by side in one run:
 
-  sparse_over_dense_{L}       sparse time / dense blockwise time, L in --lengths
+  sparse_over_dense_{L}       sparse time / dense time (--dense-impl, blockwise by default)
   topk_full_max_abs_diff      k >= L: sparse vs dense, outputs and gradients (L = 1024)
-  sparse_peak_rss_gib_{L}     peak resident memory of the sparse case's process
+  sparse_peak_rss_gib_{L}     peak resident memory of the sparse case's process (on a GPU
+                              also sparse_peak_device_gib_{L}, the device's peak bytes in use)
   recall_demo                 dense attention mass on the top-k keys of an indexer warmed up
-                              on the demo corpus, on held-out rows (--recall; trains a run)
+                              on the demo corpus, on held-out rows; recall_demo_sparse: the
+                              same measured by the sparse stage's training metric over its
+                              steps after the warm-up (--recall; trains a run)
 
   python tools/bench_sparse.py [--json] [--lengths 16384 65536 131072] [--recall]
-      [--dense-max L] [--token-max L]
+      [--dense-max L] [--token-max L] [--dense-impl IMPL] [--dtype D] [--repeats N]
 
-sparse_* is block selection (`sparse.select: block`, the default), token_* the token-level
-variant (`select: token`), each over the same dense run.
+sparse_* is block selection (`sparse.select: block`, the default, with the training default of
+4 recall blocks), token_* the token-level variant (`select: token`), each over the same dense
+run. tools/gpu_sparse_check.sh is the same comparison prepared for one GPU.
 """
 
 import argparse
@@ -40,31 +44,32 @@ def _inputs(length, seed=0):
           f(1, length, I_DIM), jnp.ones((1, length), jnp.int32))
 
 
-def _grad_fns(topk):
+def _grad_fns(topk, dense_impl="blockwise"):
   """sparse_block: the implementation training uses (`sparse.select: block`); sparse: the
-  token-level variant (`select: token`)."""
+  token-level variant (`select: token`); dense: `attention(impl=dense_impl)`."""
   import jax
-  from maxlm.model.attention import blockwise, sparse, sparse_blocks
+  from maxlm.model.attention import attention, sparse, sparse_blocks
 
   def dense(q, k, v, iq, iw, ik, seg):
-    return blockwise.attention(q, k, v, seg, seg, block_q=BLOCK, block_k=BLOCK)[0].sum()
+    return attention(q, k, v, seg, impl=dense_impl, block_q=BLOCK, block_k=BLOCK).sum()
 
   def sparse_loss(q, k, v, iq, iw, ik, seg):
     out, _, stats = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=topk)
     return out.sum() + stats["kl"]
 
   def block_loss(q, k, v, iq, iw, ik, seg):
-    out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=64)
+    out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk,
+                                                block=64, recall_blocks=4)
     return out.sum() + stats["kl"]
 
   grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))
   return {"dense": grad(dense), "sparse": grad(sparse_loss), "sparse_block": grad(block_loss)}
 
 
-def run_case(kind, length, repeats):
+def run_case(kind, length, repeats, dense_impl):
   import jax
   args = _inputs(length)
-  step = _grad_fns(TOPK)[kind]
+  step = _grad_fns(TOPK, dense_impl)[kind]
   jax.block_until_ready(step(*args))
   times = []
   for _ in range(repeats):
@@ -72,15 +77,21 @@ def run_case(kind, length, repeats):
     jax.block_until_ready(step(*args))
     times.append(time.perf_counter() - t)
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB
-  return {"seconds": min(times), "peak_rss_gib": round(peak, 3)}
+  out = {"seconds": min(times), "peak_rss_gib": round(peak, 3),
+         "backend": jax.default_backend()}
+  stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+  if stats and "peak_bytes_in_use" in stats:
+    out["peak_device_gib"] = round(stats["peak_bytes_in_use"] / 2**30, 3)
+  return out
 
 
 def topk_full_diff(length=1024):
-  """k >= L: sparse and dense (reference) outputs and q/k/v gradients, max abs difference."""
+  """k >= L: sparse (token and block selection) and dense (reference) outputs and q/k/v
+  gradients, max abs difference."""
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from maxlm.model.attention import reference, sparse
+  from maxlm.model.attention import reference, sparse, sparse_blocks
   q, k, v, iq, iw, ik, seg = _inputs(length)
   w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
@@ -89,17 +100,21 @@ def topk_full_diff(length=1024):
         q, k, v)
 
   a = run(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
-  b = run(lambda q, k, v: sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length,
-                                        chunk=128)[0])
-  diffs = [float(jnp.abs(x - y).max()) for x, y in zip(a[1], b[1])]
-  fa = reference.attention(q, k, v, seg, seg)[0]
-  fb = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length, chunk=128)[0]
-  return max([float(jnp.abs(fa - fb).max())] + diffs)
+  diffs = []
+  for fn in (lambda q, k, v: sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length,
+                                           chunk=128)[0],
+             lambda q, k, v: sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg,
+                                                         topk=length, block=64)[0]):
+    b = run(fn)
+    diffs += [float(jnp.abs(x - y).max()) for x, y in zip(a[1], b[1])]
+    diffs.append(float(jnp.abs(reference.attention(q, k, v, seg, seg)[0] - fn(q, k, v)).max()))
+  return max(diffs)
 
 
 def recall_demo(workdir):
-  """Trains the demo ladder briefly (dense, then indexer warm-up), then measures the warmed-up
-  indexer's recall on held-out rows of the demo corpus."""
+  """Trains the demo ladder briefly (dense, then indexer warm-up), measures the warmed-up
+  indexer's recall on held-out rows of the demo corpus, then trains the sparse stage (L = 1024,
+  top 256 keys as 8 blocks of 32) and averages its own recall metric over its steps."""
   import jax
   import numpy as np
   from maxlm import config as config_lib
@@ -111,8 +126,10 @@ def recall_demo(workdir):
   prepare.prepare(raw, f"{workdir}/data", vocab_size=1024, progress=False)
   ladder = ["model.size=tiny", f"data.dir={workdir}/data", f"run_dir={workdir}/run",
             "stages.0.steps=60", "stages.1.steps=40", "stages.1.sparse.mode=indexer_warmup",
-            "stages.1.sparse.topk=64", "stages.2.steps=1", "stages.2.sparse.mode=sparse",
-            "stages.2.sparse.topk=64", "train.eval_every=0", "train.checkpoint_every=100"]
+            "stages.1.sparse.topk=64", "stages.2.steps=20", "stages.2.sparse.mode=sparse",
+            "stages.2.sparse.topk=256", "stages.2.sparse.block=32",
+            "stages.2.sparse.recall_blocks=8", "train.eval_every=0",
+            "train.checkpoint_every=100"]
   cfg = config_lib.load("configs/demo.yaml", ladder)
   loop.train(cfg, stop_after=100, log=lambda *_: None)  # the end of the warm-up stage
   data = loader.Data(cfg)
@@ -132,13 +149,21 @@ def recall_demo(workdir):
       sums = fn(state["params"], batch)
     recall += float(sums["indexer_recall_sum"])
     queries += float(sums["indexer_queries_sum"])
+  loop.train(cfg, log=lambda *_: None)  # the sparse stage, to the end
+  from maxlm.train import metrics
+  sparse_rows = [r for r in metrics.read_jsonl(cfg.run_dir) if r.get("stage") == 2]
   return {"recall_demo": recall / max(queries, 1.0), "recall_demo_rows": len(rows),
-          "recall_demo_topk": 64, "recall_demo_seq_len": seq_len}
+          "recall_demo_topk": 64, "recall_demo_seq_len": seq_len,
+          "recall_demo_sparse": float(np.mean([r["indexer_recall"] for r in sparse_rows])),
+          "recall_demo_sparse_first_last": [sparse_rows[0]["indexer_recall"],
+                                            sparse_rows[-1]["indexer_recall"]],
+          "recall_demo_sparse_steps": len(sparse_rows), "recall_demo_sparse_topk": 256,
+          "recall_demo_sparse_seq_len": cfg.stages[2].seq_len}
 
 
-def case(kind, length, repeats=1):
-  proc = subprocess.run([sys.executable, __file__, "--case", kind, str(length), str(repeats)],
-                        capture_output=True, text=True)
+def case(kind, length, repeats=1, dense_impl="blockwise"):
+  proc = subprocess.run([sys.executable, __file__, "--case", kind, str(length), str(repeats),
+                         dense_impl], capture_output=True, text=True)
   if proc.returncode:
     return {"error": (proc.stderr.strip().splitlines() or ["killed"])[-1][:200]}
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -156,19 +181,22 @@ def main(argv=None):
                   help="run the token-level variant only up to this length (it is slow)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                   help="of q, k, v and the indexer inputs (training computes in model.dtype)")
-  ap.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+  ap.add_argument("--dense-impl", default="blockwise",
+                  help="attention impl of the dense side (gpu on a GPU, splash on a TPU)")
+  ap.add_argument("--repeats", type=int, default=1, help="timed runs per case (the fastest)")
+  ap.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   os.environ["MAXLM_BENCH_DTYPE"] = args.dtype
   if args.case:
-    kind, length, repeats = args.case
-    print(json.dumps(run_case(kind, int(length), int(repeats))))
+    kind, length, repeats, dense_impl = args.case
+    print(json.dumps(run_case(kind, int(length), int(repeats), dense_impl)))
     return
   out = {"topk_full_max_abs_diff": topk_full_diff(), "topk": TOPK}
   for length in args.lengths:
-    dense = (case("dense", length) if length <= args.dense_max
-             else {"skipped": "--dense-max"})
-    sp = case("sparse_block", length)
-    token = case("sparse", length) if length <= args.token_max else {"skipped": "--token-max"}
+    run = lambda kind: case(kind, length, args.repeats, args.dense_impl)  # noqa: E731
+    dense = run("dense") if length <= args.dense_max else {"skipped": "--dense-max"}
+    sp = run("sparse_block")
+    token = run("sparse") if length <= args.token_max else {"skipped": "--token-max"}
     out[f"dense_{length}"], out[f"sparse_{length}"], out[f"token_{length}"] = dense, sp, token
     if "seconds" in dense and "seconds" in sp:
       out[f"sparse_over_dense_{length}"] = sp["seconds"] / dense["seconds"]
@@ -176,6 +204,8 @@ def main(argv=None):
       out[f"token_over_dense_{length}"] = token["seconds"] / dense["seconds"]
     if "peak_rss_gib" in sp:
       out[f"sparse_peak_rss_gib_{length}"] = sp["peak_rss_gib"]
+    if "peak_device_gib" in sp:
+      out[f"sparse_peak_device_gib_{length}"] = sp["peak_device_gib"]
     if not args.json:
       print(length, dense, sp, token, flush=True)
   if args.recall:

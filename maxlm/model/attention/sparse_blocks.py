@@ -47,7 +47,7 @@ def sparse_blocks(q, k, v, iq, iw, ik, q_seg, kv_seg, q_offset=0, *, topk, block
   stats = base._stats(kl[:, :lq], selected[:, :lq], q_seg)
   if recall_blocks:
     stats.update(_recall(*(jax.lax.stop_gradient(x) for x in (q, k, iq, iw, ik)), q_seg_p,
-                         kv_seg_p, offset, topk, block, recall_blocks))
+                         kv_seg_p, q_offset, topk, block, recall_blocks))
   return out[:, :lq], peak, stats
 
 
@@ -177,45 +177,68 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def _recall(q, k, iq, iw, ik, q_seg, kv_seg, offset, topk, c, blocks):
   """{recall, recall_queries}: the dense attention mass on the selected keys, summed over the
-  valid queries of `blocks` query blocks spread evenly over the row."""
-  b, _, h, d = q.shape
-  kh = k.shape[2]
+  valid queries of `blocks` query blocks spread evenly over the whole row (the keys' length),
+  each measured by the call whose queries hold it: the same blocks under context parallelism.
+
+  A Python offset picks the blocks while tracing; a traced one (inside context parallelism's
+  shard_map, one program per device) branches with lax.cond. Not under plain jit: a branch
+  that GSPMD fills with collectives can deadlock devices on the CPU."""
   n, kb = _sizes(q, k, topk, c)
   nk = k.shape[1] // c
-  picks = sorted({min(n - 1, (2 * j + 1) * n // (2 * blocks)) for j in range(blocks)})
+  picks = sorted({min(nk - 1, (2 * j + 1) * nk // (2 * blocks)) for j in range(blocks)})
+  total, queries = jnp.float32(0.0), jnp.float32(0.0)
+  for g in picks:
+    if isinstance(offset, int):
+      if offset // c <= g < offset // c + n:
+        mass, valid = _block_recall(g - offset // c, q, k, iq, iw, ik, q_seg, kv_seg, offset, c,
+                                    kb)
+        total, queries = total + mass, queries + valid
+      continue
+    i = g - offset // c  # the query block of this call, if it holds global block g
+    mass, valid = jax.lax.cond(
+        (i >= 0) & (i < n),
+        lambda i: _block_recall(jnp.clip(i, 0, n - 1), q, k, iq, iw, ik, q_seg, kv_seg,
+                                offset, c, kb),
+        lambda i: (jnp.float32(0.0), jnp.float32(0.0)), i)
+    total, queries = total + mass, queries + valid
+  return {"recall": total, "recall_queries": queries}
+
+
+def _block_recall(i, q, k, iq, iw, ik, q_seg, kv_seg, offset, c, kb):
+  """(mass summed over the valid queries of query block i, their count)."""
+  b, _, h, d = q.shape
+  kh = k.shape[2]
+  nk = k.shape[1] // c
   tile = c * math.gcd(nk, max(1, 8192 // c))  # keys per step of the dense log-sum-exp
   scale = 1.0 / np.sqrt(d).astype(np.float32)
-  total, queries = jnp.float32(0.0), jnp.float32(0.0)
-  for i in picks:
-    args, _, _ = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, k, k, ik, kv_seg, offset)
-    q_c, _, _, k_sel, _, _, mask = args
-    qs_c = jax.lax.dynamic_slice_in_dim(q_seg, i * c, c, axis=1)
-    q_pos = offset + i * c + jnp.arange(c)
-    q5 = q_c.reshape(b, c, kh, h // kh, d)
+  args, _, _ = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, k, k, ik, kv_seg, offset)
+  q_c, _, _, k_sel, _, _, mask = args
+  qs_c = jax.lax.dynamic_slice_in_dim(q_seg, i * c, c, axis=1)
+  q_pos = offset + i * c + jnp.arange(c)
+  q5 = q_c.reshape(b, c, kh, h // kh, d)
 
-    def tile_step(t, carry):
-      m, s = carry
-      k_t = jax.lax.dynamic_slice_in_dim(k, t * tile, tile, axis=1)
-      seg_t = jax.lax.dynamic_slice_in_dim(kv_seg, t * tile, tile, axis=1)
-      pos_t = t * tile + jnp.arange(tile)
-      vis = ((q_pos[:, None] >= pos_t[None])[None] & (qs_c[:, :, None] == seg_t[:, None])
-             & (qs_c > 0)[:, :, None])[:, None, None]
-      x = jnp.einsum("bckgd,blkd->bkgcl", q5, k_t, preferred_element_type=jnp.float32) * scale
-      x = jnp.where(vis, x, -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(x, axis=-1))
-      safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-      s = s * jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf)) + jnp.sum(
-          jnp.exp(x - safe[..., None]), axis=-1)
-      return m_new, s
+  def tile_step(t, carry):
+    m, s = carry
+    k_t = jax.lax.dynamic_slice_in_dim(k, t * tile, tile, axis=1)
+    seg_t = jax.lax.dynamic_slice_in_dim(kv_seg, t * tile, tile, axis=1)
+    pos_t = t * tile + jnp.arange(tile)
+    vis = ((q_pos[:, None] >= pos_t[None])[None] & (qs_c[:, :, None] == seg_t[:, None])
+           & (qs_c > 0)[:, :, None])[:, None, None]
+    x = jnp.einsum("bckgd,blkd->bkgcl", q5, k_t, preferred_element_type=jnp.float32) * scale
+    x = jnp.where(vis, x, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(x, axis=-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    s = s * jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf)) + jnp.sum(
+        jnp.exp(x - safe[..., None]), axis=-1)
+    return m_new, s
 
-    last = (offset + (i + 1) * c + tile - 1) // tile  # key tiles up to the diagonal
-    init = (jnp.full((b, kh, h // kh, c), -jnp.inf), jnp.zeros((b, kh, h // kh, c)))
-    m, s = jax.lax.fori_loop(0, jnp.minimum(last, k.shape[1] // tile), tile_step, init)
-    lse = jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1.0)) + jnp.where(
-        jnp.isfinite(m), m, 0.0), 0.0)
-    x = jnp.einsum("bckgd,bskd->bkgcs", q5, k_sel, preferred_element_type=jnp.float32) * scale
-    mass = jnp.sum(jnp.where(mask[:, None, None], jnp.exp(x - lse[..., None]), 0.0), axis=-1)
-    valid = (qs_c > 0).astype(jnp.float32)
-    total += jnp.sum(jnp.mean(mass, axis=(1, 2)) * valid)
-    queries += jnp.sum(valid)
-  return {"recall": total, "recall_queries": queries}
+  last = (offset + (i + 1) * c + tile - 1) // tile  # key tiles up to the diagonal
+  init = (jnp.full((b, kh, h // kh, c), -jnp.inf), jnp.zeros((b, kh, h // kh, c)))
+  upper = (min if isinstance(last, int) else jnp.minimum)(last, k.shape[1] // tile)
+  m, s = jax.lax.fori_loop(0, upper, tile_step, init)
+  lse = jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1.0)) + jnp.where(
+      jnp.isfinite(m), m, 0.0), 0.0)
+  x = jnp.einsum("bckgd,bskd->bkgcs", q5, k_sel, preferred_element_type=jnp.float32) * scale
+  mass = jnp.sum(jnp.where(mask[:, None, None], jnp.exp(x - lse[..., None]), 0.0), axis=-1)
+  valid = (qs_c > 0).astype(jnp.float32)
+  return jnp.sum(jnp.mean(mass, axis=(1, 2)) * valid), jnp.sum(valid)
