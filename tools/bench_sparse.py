@@ -38,7 +38,7 @@ def _inputs(length, seed=0):
   import numpy as np
   rng = np.random.default_rng(seed)
   dtype = os.environ.get("MAXLM_BENCH_DTYPE", "float32")  # set by --dtype for every case
-  f = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), dtype)  # no f64 copy in RSS
   return (f(1, length, HEADS, DIM), f(1, length, KV_HEADS, DIM), f(1, length, KV_HEADS, DIM),
           f(1, length, I_HEADS, I_DIM) / I_DIM ** 0.5, f(1, length, I_HEADS),
           f(1, length, I_DIM), jnp.ones((1, length), jnp.int32))
@@ -86,12 +86,14 @@ def run_case(kind, length, repeats, dense_impl):
 
 
 def topk_full_diff(length=1024):
-  """k >= L: sparse (token and block selection) and dense (reference) outputs and q/k/v
-  gradients, max abs difference."""
+  """k >= L: sparse and dense (reference) outputs and q/k/v gradients, max abs difference for
+  token selection (topk_full_max_abs_diff, as before) and block selection, the block one
+  relative to the largest value, and our dense blockwise kernel's own difference from the
+  reference (f32 summation order: the floor any chunked implementation meets)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from maxlm.model.attention import reference, sparse, sparse_blocks
+  from maxlm.model.attention import blockwise, reference, sparse, sparse_blocks
   q, k, v, iq, iw, ik, seg = _inputs(length)
   w = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
@@ -100,15 +102,23 @@ def topk_full_diff(length=1024):
         q, k, v)
 
   a = run(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
-  diffs = []
-  for fn in (lambda q, k, v: sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length,
-                                           chunk=128)[0],
-             lambda q, k, v: sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg,
-                                                         topk=length, block=64)[0]):
+  fa = reference.attention(q, k, v, seg, seg)[0]
+
+  def diff(fn):
     b = run(fn)
-    diffs += [float(jnp.abs(x - y).max()) for x, y in zip(a[1], b[1])]
-    diffs.append(float(jnp.abs(reference.attention(q, k, v, seg, seg)[0] - fn(q, k, v)).max()))
-  return max(diffs)
+    pairs = list(zip(a[1], b[1])) + [(fa, fn(q, k, v))]
+    return (max(float(jnp.abs(x - y).max()) for x, y in pairs),
+            max(float(jnp.abs(x - y).max() / jnp.abs(x).max()) for x, y in pairs))
+
+  token = diff(lambda q, k, v: sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=length,
+                                             chunk=128)[0])
+  block = diff(lambda q, k, v: sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg,
+                                                           topk=length, block=64)[0])
+  floor = diff(lambda q, k, v: blockwise.attention(q, k, v, seg, seg, block_q=128,
+                                                   block_k=128)[0])
+  return {"topk_full_max_abs_diff": token[0], "topk_full_block_max_abs_diff": block[0],
+          "topk_full_block_max_rel_diff": block[1],
+          "dense_blockwise_vs_reference_max_abs_diff": floor[0]}
 
 
 def recall_demo(workdir):
@@ -191,7 +201,7 @@ def main(argv=None):
     kind, length, repeats, dense_impl = args.case
     print(json.dumps(run_case(kind, int(length), int(repeats), dense_impl)))
     return
-  out = {"topk_full_max_abs_diff": topk_full_diff(), "topk": TOPK}
+  out = {**topk_full_diff(), "topk": TOPK}
   for length in args.lengths:
     run = lambda kind: case(kind, length, args.repeats, args.dense_impl)  # noqa: E731
     dense = run("dense") if length <= args.dense_max else {"skipped": "--dense-max"}
