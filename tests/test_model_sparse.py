@@ -241,3 +241,42 @@ def test_block_selection_is_packing_invariant_for_block_aligned_documents():
     alone = sparse_blocks.sparse_blocks(take(q), take(k), take(v), take(iq), take(iw),
                                         take(ik), one, one, topk=topk, block=c)[0]
     close(alone[0], out[0, a:a + n], 1e-5)
+
+
+def test_gpu_sparse_check_runs_its_commands_in_dry_run(tmp_path):
+  """tools/gpu_sparse_check.sh (the prepared GPU comparison) with DRY_RUN=1 runs the same
+  bench_sparse commands on the CPU at L = 512."""
+  import json
+  import os
+  import pathlib
+  import subprocess
+  root = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run(["bash", str(root / "tools" / "gpu_sparse_check.sh"), str(tmp_path)],
+                        env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads((tmp_path / "sparse_vs_blockwise.json").read_text())
+  assert out["sparse_over_dense_512"] > 0 and out["sparse_peak_rss_gib_512"] > 0
+  assert out["topk_full_block_max_rel_diff"] < 1e-5
+
+
+def test_block_selection_memory_grows_linearly_in_length():
+  """Forward + backward compiled at 16K and 64K (not run): XLA's temporary buffers grow like
+  L (4x), not L^2 (16x), and stay far below one [L, L] f32 array (16 GiB at 64K)."""
+  def temp_bytes(length):
+    shapes = [(1, length, 4, 32), (1, length, 2, 32), (1, length, 2, 32), (1, length, 2, 16),
+              (1, length, 2), (1, length, 16)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    seg = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def loss(q, k, v, iq, iw, ik, seg):
+      out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=256,
+                                                  block=64, recall_blocks=4)
+      return out.sum() + stats["kl"] + stats["recall"]
+
+    fn = jax.jit(jax.grad(loss, argnums=range(6)))
+    return fn.lower(*args, seg).compile().memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes(16384), temp_bytes(65536)
+  assert large / small < 5, (small, large)
+  assert large < 2**30 // 8, large

@@ -17,8 +17,9 @@ equal and non-zero; a padding row's output is 0. The 1/sqrt(D) scale is applied 
 | auto          |               | per stage, from `auto_rule` (documents per row and length)     |
 
 With a mesh whose `context` axis is larger than 1 the sequence is sharded (`context`).
-Stages with `sparse.mode: sparse` do not come here: the decoder calls `sparse` (DeepSeek sparse
-attention, top-k keys from a lightning indexer) or, under context parallelism, `sparse_context`.
+Stages with `sparse.mode: sparse` do not come here: the decoder calls `sparse_blocks` (DeepSeek
+sparse attention over top-k key blocks from a lightning indexer), `sparse` (top-k keys) or, under
+context parallelism, `sparse_context`.
 """
 
 import jax
