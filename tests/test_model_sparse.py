@@ -226,16 +226,18 @@ def test_block_recall_is_the_dense_mass_on_the_selected_keys():
 
 def test_block_selection_is_packing_invariant_for_block_aligned_documents():
   """A document starting on a block boundary sees the same keys packed or alone (the block grid
-  is the same relative to it); a document that fits in k keys is dense wherever it sits."""
+  is the same relative to it); a document of at most k - block + 1 tokens spans at most k / block
+  blocks wherever it sits, so it is dense."""
   length, c, topk = 128, 8, 16
   q, k, v, _, _ = make_case(length=length, seed=25)
   q, k, v = q[:1], k[:1], v[:1]
   iq, iw, ik = indexer_inputs(1, length, seed=26)
   seg = np.zeros((1, length), np.int32)
-  seg[0, 0:40], seg[0, 40:45], seg[0, 48:112], seg[0, 112:121] = 1, 2, 3, 4
+  seg[0, 0:40], seg[0, 43:52], seg[0, 56:120], seg[0, 121:126] = 1, 2, 3, 4
   seg = jnp.asarray(seg)
   out = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c)[0]
-  for a, n in ((0, 40), (48, 64), (40, 5), (112, 9)):  # aligned long; short ones anywhere
+  # aligned and longer than k; unaligned but within k - c + 1 keys (2 and 1 blocks)
+  for a, n in ((0, 40), (56, 64), (43, 9), (121, 5)):
     take = lambda x: x[:, a:a + n]  # noqa: E731
     one = jnp.ones((1, n), jnp.int32)
     alone = sparse_blocks.sparse_blocks(take(q), take(k), take(v), take(iq), take(iw),
