@@ -73,6 +73,16 @@ def _blocks_of(x, c):
   return x.reshape(x.shape[0], x.shape[1] // c, c, *x.shape[2:])
 
 
+def _chunk(x, i, c):
+  """Positions [i*c, (i+1)*c) of x along axis 1."""
+  return jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+
+
+def _put(buf, x, i, c):
+  """buf with positions [i*c, (i+1)*c) along axis 1 replaced by x."""
+  return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i * c, 1)
+
+
 def _mask(qs_c, kv_seg, q_pos, idx, chosen, c):
   """[B, c, kb*c]: causal, same segment, live block."""
   b, kb = idx.shape
@@ -100,14 +110,16 @@ def _attend(q_c, iq_c, iw_c, k_sel, v_sel, ik_sel, mask):
   return out, peak, base._kl(p, base._log_softmax(sel_scores, mask), mask)
 
 
-def _chunk_inputs(i, c, kb, q, iq, iw, q_seg, k, v, ik, kv_seg, offset, idx=None, chosen=None):
-  sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)  # noqa: E731
-  q_c, iq_c, iw_c, qs_c = sl(q), sl(iq), sl(iw), sl(q_seg)
+def _chunk_inputs(i, c, kb, q, iq, iw, q_seg, ik, kv_seg, offset, gathered, idx=None,
+                  chosen=None):
+  """Query block i's (q, iq, iw, the selected blocks of each array in `gathered`, mask), its
+  block indices and which are live; selected here unless idx/chosen are given."""
+  q_c, iq_c, iw_c, qs_c = (_chunk(x, i, c) for x in (q, iq, iw, q_seg))
   q_pos = offset + i * c + jnp.arange(c)
   if idx is None:
     idx, chosen = _select(iq_c, iw_c, ik, qs_c, kv_seg, q_pos, offset // c + i, c, kb)
   mask = _mask(qs_c, kv_seg, q_pos, idx, chosen, c)
-  sel = [_gather(_blocks_of(x, c), idx) for x in (k, v, ik)]
+  sel = [_gather(_blocks_of(x, c), idx) for x in gathered]
   return (q_c, iq_c, iw_c, *sel, mask), idx, chosen
 
 
@@ -122,11 +134,11 @@ def _forward(q, k, v, iq, iw, ik, q_seg, kv_seg, offset, topk, c):
 
   def step(i, carry):
     out, peak, kl, selected, idx_all, chosen_all = carry
-    args, idx, chosen = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, k, v, ik, kv_seg, offset)
+    args, idx, chosen = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, ik, kv_seg, offset,
+                                      (k, v, ik))
     o, pk, kl_c = _attend(*args)
-    put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i * c, 1)
-    return (put(out, o), jnp.maximum(peak, pk), put(kl, kl_c),
-            put(selected, args[-1].sum(-1).astype(jnp.float32)),
+    return (_put(out, o, i, c), jnp.maximum(peak, pk), _put(kl, kl_c, i, c),
+            _put(selected, args[-1].sum(-1).astype(jnp.float32), i, c),
             idx_all.at[i].set(idx), chosen_all.at[i].set(chosen))
 
   init = (jnp.zeros(q.shape, q.dtype), jnp.float32(-jnp.inf), jnp.zeros((b, lq), jnp.float32),
@@ -156,16 +168,18 @@ def _attention_bwd(topk, c, residuals, cotangents):
 
   def step(i, carry):
     dq, diq, diw, dk, dv, dik = carry
-    args, idx, _ = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, k, v, ik, kv_seg, offset,
+    args, idx, _ = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, ik, kv_seg, offset, (k, v, ik),
                                  idx_all[i], chosen_all[i])
     mask = args[-1]
-    fn = lambda *xs: (lambda o, _, kl: (o.astype(q.dtype), kl))(*_attend(*xs, mask))  # noqa
-    _, vjp = jax.vjp(fn, *args[:-1])
-    sl = lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)  # noqa: E731
-    g_q, g_iq, g_iw, g_k, g_v, g_ik = vjp((sl(ct_out), sl(ct_kl)))
-    put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), i * c, 1)
-    return (put(dq, g_q), put(diq, g_iq), put(diw, g_iw), add(dk, idx, g_k), add(dv, idx, g_v),
-            add(dik, idx, g_ik))
+
+    def out_and_kl(*xs):  # the differentiable outputs of _attend
+      o, _, kl = _attend(*xs, mask)
+      return o.astype(q.dtype), kl
+
+    _, vjp = jax.vjp(out_and_kl, *args[:-1])
+    g_q, g_iq, g_iw, g_k, g_v, g_ik = vjp((_chunk(ct_out, i, c), _chunk(ct_kl, i, c)))
+    return (_put(dq, g_q, i, c), _put(diq, g_iq, i, c), _put(diw, g_iw, i, c),
+            add(dk, idx, g_k), add(dv, idx, g_v), add(dik, idx, g_ik))
 
   init = (jnp.zeros_like(q), jnp.zeros_like(iq), jnp.zeros_like(iw), f32(k), f32(v), f32(ik))
   dq, diq, diw, dk, dv, dik = jax.lax.fori_loop(0, n, step, init)
@@ -212,16 +226,15 @@ def _block_recall(i, q, k, iq, iw, ik, q_seg, kv_seg, offset, c, kb):
   nk = k.shape[1] // c
   tile = c * math.gcd(nk, max(1, 8192 // c))  # keys per step of the dense log-sum-exp
   scale = 1.0 / np.sqrt(d).astype(np.float32)
-  args, _, _ = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, k, k, ik, kv_seg, offset)
-  q_c, _, _, k_sel, _, _, mask = args
-  qs_c = jax.lax.dynamic_slice_in_dim(q_seg, i * c, c, axis=1)
+  (q_c, _, _, k_sel, mask), _, _ = _chunk_inputs(i, c, kb, q, iq, iw, q_seg, ik, kv_seg,
+                                                  offset, (k,))
+  qs_c = _chunk(q_seg, i, c)
   q_pos = offset + i * c + jnp.arange(c)
   q5 = q_c.reshape(b, c, kh, h // kh, d)
 
   def tile_step(t, carry):
     m, s = carry
-    k_t = jax.lax.dynamic_slice_in_dim(k, t * tile, tile, axis=1)
-    seg_t = jax.lax.dynamic_slice_in_dim(kv_seg, t * tile, tile, axis=1)
+    k_t, seg_t = _chunk(k, t, tile), _chunk(kv_seg, t, tile)
     pos_t = t * tile + jnp.arange(tile)
     vis = ((q_pos[:, None] >= pos_t[None])[None] & (qs_c[:, :, None] == seg_t[:, None])
            & (qs_c > 0)[:, :, None])[:, None, None]
