@@ -51,18 +51,19 @@ def _grad_fns(topk, dense_impl="blockwise"):
   from maxlm.model.attention import attention, sparse, sparse_blocks
 
   def dense(q, k, v, iq, iw, ik, seg):
-    return attention(q, k, v, seg, impl=dense_impl, block_q=BLOCK, block_k=BLOCK).sum()
+    return attention(q, k, v, seg, impl=dense_impl, block_q=BLOCK, block_k=BLOCK).sum(), {}
 
   def sparse_loss(q, k, v, iq, iw, ik, seg):
     out, _, stats = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=topk)
-    return out.sum() + stats["kl"]
+    return out.sum() + stats["kl"], stats
 
   def block_loss(q, k, v, iq, iw, ik, seg):
     out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk,
                                                 block=64, recall_blocks=4)
-    return out.sum() + stats["kl"]
+    return out.sum() + stats["kl"], stats
 
-  grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))
+  # the stats are outputs, as in training's metrics, so XLA cannot drop the recall
+  grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
   return {"dense": grad(dense), "sparse": grad(sparse_loss), "sparse_block": grad(block_loss)}
 
 
