@@ -115,6 +115,21 @@ def test_sparse_with_context_parallelism_matches_one_device(tmp_path, data_dir):
     loop.validate(bad)
 
 
+def test_sparse_under_fsdp_matches_one_device(tmp_path, data_dir):
+  """The sampled recall's loop runs under GSPMD (no shard_map) with sharded params."""
+  from maxlm.train import loop
+  one = three_stages(tmp_path, data_dir)
+  loop.train(one, log=lambda *_: None)
+  sharded = three_stages(tmp_path, data_dir, [f"run_dir={tmp_path / 'fsdp'}"] + [
+      f"stages.{s}.mesh.{k}" for s in (0, 1, 2) for k in ("fsdp=2", "data=-1")])
+  loop.train(sharded, log=lambda *_: None)
+  want, got = metrics.read_jsonl(one.run_dir), metrics.read_jsonl(sharded.run_dir)
+  assert len(got) == len(want) == 12
+  for a, b in zip(want, got):
+    for key in ("loss", "indexer_kl", "selected_keys", "indexer_recall"):
+      assert b.get(key) == pytest.approx(a.get(key), rel=1e-4), (a["step"], key)
+
+
 def test_ladder_errors():
   base = {"stages": [{"seq_len": 32, "batch": 8, "steps": 1, "sparse": {"mode": "sparse"}},
                      {"seq_len": 32, "batch": 8, "steps": 1}]}

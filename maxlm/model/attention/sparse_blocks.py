@@ -195,27 +195,30 @@ def _recall(q, k, iq, iw, ik, q_seg, kv_seg, offset, topk, c, blocks):
   valid queries of `blocks` query blocks spread evenly over the whole row (the keys' length),
   each measured by the call whose queries hold it: the same blocks under context parallelism.
 
-  A Python offset picks the blocks while tracing; a traced one (inside context parallelism's
-  shard_map, one program per device) branches with lax.cond. Not under plain jit: a branch
-  that GSPMD fills with collectives can deadlock devices on the CPU."""
+  A Python offset picks this call's blocks while tracing; a traced one (inside context
+  parallelism's shard_map, one program per device) branches with lax.cond. Not under plain jit:
+  a branch that GSPMD fills with collectives can deadlock devices on the CPU. The blocks run
+  one after another (a scan): unrolled, XLA ran them together (+0.41 GiB at L = 131072 with 4
+  blocks, +0.03 with 1)."""
   n, kb = _sizes(q, k, topk, c)
   nk = k.shape[1] // c
   picks = sorted({min(nk - 1, (2 * j + 1) * nk // (2 * blocks)) for j in range(blocks)})
-  total, queries = jnp.float32(0.0), jnp.float32(0.0)
-  for g in picks:
-    if isinstance(offset, int):
-      if offset // c <= g < offset // c + n:
-        mass, valid = _block_recall(g - offset // c, q, k, iq, iw, ik, q_seg, kv_seg, offset, c,
-                                    kb)
-        total, queries = total + mass, queries + valid
-      continue
+  static = isinstance(offset, int)
+  if static:  # only the blocks this call's queries hold
+    picks = [g for g in picks if offset // c <= g < offset // c + n]
+  measure = lambda i: _block_recall(i, q, k, iq, iw, ik, q_seg, kv_seg, offset, c, kb)  # noqa
+
+  def one(sums, g):
     i = g - offset // c  # the query block of this call, if it holds global block g
-    mass, valid = jax.lax.cond(
-        (i >= 0) & (i < n),
-        lambda i: _block_recall(jnp.clip(i, 0, n - 1), q, k, iq, iw, ik, q_seg, kv_seg,
-                                offset, c, kb),
-        lambda i: (jnp.float32(0.0), jnp.float32(0.0)), i)
-    total, queries = total + mass, queries + valid
+    if static:
+      mass, valid = measure(i)
+    else:
+      mass, valid = jax.lax.cond((i >= 0) & (i < n), lambda i: measure(jnp.clip(i, 0, n - 1)),
+                                 lambda i: (jnp.float32(0.0), jnp.float32(0.0)), i)
+    return (sums[0] + mass, sums[1] + valid), None
+
+  (total, queries), _ = jax.lax.scan(one, (jnp.float32(0.0), jnp.float32(0.0)),
+                                     jnp.asarray(picks, jnp.int32))
   return {"recall": total, "recall_queries": queries}
 
 
