@@ -20,7 +20,7 @@ from maxlm.data import ledger, loader, plan
 from maxlm.eval import bpb
 from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
-from maxlm.parallel import distributed, mesh as mesh_lib, preemption, watchdog
+from maxlm.parallel import distributed, mesh as mesh_lib, peaks, preemption, watchdog
 from maxlm.train import dpo
 from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
                          rundir, sparse_stage, spikes, step as step_lib)
@@ -184,7 +184,7 @@ def _train(config, stop_after, force, log):
 def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
   offsets = np.cumsum([0] + [st.num_steps for st in config.stages])
   total = int(offsets[-1])
-  peak = measure_peak_flops()
+  peak, _ = peaks.per_device(config.model.dtype)  # MFU's denominator: x the device count
   preempt = preemption.Preemption()
   state, stage0, k0, consumed, it_start, resumed = None, 0, 0, {}, None, None
   spike_state = None
@@ -261,7 +261,8 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         flops = build.flops_per_token(model.cfg, stage.seq_len,
                                       build.mean_attended(batch["segment_ids"]))
         row = {"stage": s, "stage_step": k, **m, "tokens_per_s": real / dt,
-               "mfu": flops * real / dt / peak, "fingerprint": distributed.fingerprint(batch, g),
+               "mfu": peaks.mfu(flops, real, dt, peak, jax.device_count()),
+               "fingerprint": distributed.fingerprint(batch, g),
                **_loss_tokens(data, s, k, consumed), **first_row}
         first_row = {}
         spike = detector.observe(s, m["loss"])
@@ -274,7 +275,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         finite = integrity.all_finite(m)
         if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0 and (
             config.train.objective == "lm"):
-          row.update(_evaluate(nll_fn, state, data, stage, mesh, config))
+          row.update(_evaluate(nll_fn, state, data, stage, mesh, config, log))
         held.check()  # another trainer took the run_dir over: write nothing more
         writer.write(g, row)
         if not finite:
@@ -326,12 +327,21 @@ def _loss_tokens(data, s, k, consumed):
   return out
 
 
-def _evaluate(nll_fn, state, data, stage, mesh, config):
+def _evaluate(nll_fn, state, data, stage, mesh, config, log):
+  """The held-out metrics (maxlm/eval/bpb.py); the first evaluation of a process says which
+  sources have too little held-out text to trust."""
   def nll(batch):
     with mesh:
       return distributed.gather_rows(nll_fn(state["params"], mesh_lib.place_batch(
           distributed.host_rows(batch), mesh, config.rules)))
-  return bpb.evaluate(nll, data, stage.seq_len, stage.batch, config.train.eval_rows)
+  table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, config.train.eval_tokens)
+  if config.run_dir not in _WARNED_SMALL and bpb.small_sources(table):
+    _WARNED_SMALL.add(config.run_dir)
+    log(bpb.small_note(bpb.small_sources(table)))
+  return bpb.as_metrics(table)
+
+
+_WARNED_SMALL = set()  # run dirs whose small held-out sets this process has named
 
 
 def _progress(log, eta, s, k, steps, g, total, m, row):
@@ -342,20 +352,3 @@ def _progress(log, eta, s, k, steps, g, total, m, row):
     line += f" val_loss {row['val_loss']:.4f} val_bpb {row['val_bpb']:.3f}"
   log.progress(line, keep="val_loss" in row or k + 1 == steps)
 
-
-def measure_peak_flops(n=1024, repeats=3):
-  """This machine's matmul FLOP/s in f32 (the MFU denominator on CPU; a datasheet elsewhere)."""
-  kind = jax.devices()[0].device_kind.lower()
-  for name, flops in (("h200", 989e12), ("h100", 989e12), ("a100", 312e12), ("v5p", 459e12),
-                      ("v5 lite", 197e12), ("v6", 918e12), ("v4", 275e12)):
-    if name in kind:
-      return flops
-  x = jax.numpy.ones((n, n), jax.numpy.float32)
-  f = jax.jit(lambda a: a @ a)
-  jax.block_until_ready(f(x))
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    jax.block_until_ready(f(x))
-    best = min(best, time.perf_counter() - t)
-  return 2 * n ** 3 / best
