@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from maxlm.train import console
+from maxlm.train import console, metrics
 
 import datagen
 from test_train import ROOT, small_config
@@ -111,6 +111,22 @@ def test_train_on_a_terminal_says_what_it_does(tmp_path, data_dir):
   stop = [line for line in lines if "stopped after step 8" in line]
   assert len(stop) == 1 and stop[0].startswith("stopped after step 8"), text
   assert re.search(r"ETA \d+:\d\d", text) and "ETA --:--" in text  # none until steady state
+  # the progress line's step numbers are metrics.jsonl's (and `maxlm trace --step`'s)
+  shown = re.findall(r"step (\d+)/10 \(stage (\d) step (\d+)/\d+\) loss (\d+\.\d{4})", text)
+  logged = [(str(r["step"]), str(r["stage"]), str(r["stage_step"]), f"{r['loss']:.4f}")
+            for r in metrics.read_jsonl(str(tmp_path / "run"))]
+  assert shown == logged and len(logged) == 8, text
+
+
+def test_a_dpo_progress_line_shows_reward_accuracy_and_margin():
+  row = {"loss": 0.6931, "lr": 1e-3, "tokens_per_s": 1234.0, "reward_accuracy": 0.75,
+         "reward_margin": 0.125}
+  line = console.progress_line(1, 2, 5, 8, 10, row, 61)
+  assert line.startswith("step 8/9 (stage 1 step 2/4) loss 0.6931 reward_acc 0.75 margin "
+                         "0.125 lr 1.00e-03 1,234 tok/s ETA 1:01")
+  lm = {k: v for k, v in row.items() if not k.startswith("reward")}
+  assert console.progress_line(0, 0, 5, 0, 10, lm, None) == (
+      "step 0/9 (stage 0 step 0/4) loss 0.6931 lr 1.00e-03 1,234 tok/s ETA --:--")
 
 
 def test_the_redrawn_line_fits_the_terminal(monkeypatch):

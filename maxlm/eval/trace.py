@@ -170,13 +170,13 @@ def format_trace(t, top):
               if t["logged"] else "(not in metrics.jsonl)"),
            f"{t['loss_tokens']:,} loss tokens in {len(t['documents'])} document pieces; their "
            f"token-weighted mean loss {t['documents_loss']:.6f}",
-           f"{'loss':>8} {'tokens':>7} {'row':>4}  {'source':<10} {'doc':<28} {'tokens':<13} "
-           f"{'ctx':>4} fim"]
-  for d in t["documents"][:top]:
+           f"{'loss':>8} {'tokens':>7} {'row':>4}  {'source':<10} {'tokens':<13} "
+           f"{'ctx':>4} fim    doc"]
+  for d in t["documents"][:top]:  # the id last and whole: ids often differ only at their end
     loss = f"{d['loss']:.4f}" if d["loss"] is not None else "-"
     lines.append(f"{loss:>8} {d['loss_tokens']:>7} {d['row']:>4}  {d['source']:<10} "
-                 f"{str(d['doc_id'])[:28]:<28} {d['start']:>6}-{d['end']:<6} {d['context']:>4} "
-                 f"{d['fim']}")
+                 f"{d['start']:>6}-{d['end']:<6} {d['context']:>4} {str(d['fim']):<6} "
+                 f"{d['doc_id']}")
   if len(t["documents"]) > top:
     lines.append(f"... {len(t['documents']) - top} more (--top N, or --json for all)")
   worst = sorted((r for r in t["rows"] if r["loss"] is not None), key=lambda r: -r["loss"])

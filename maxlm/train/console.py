@@ -1,5 +1,10 @@
 """What `maxlm train` prints: start-up phases, compile times, one progress line, an honest ETA.
 
+The progress line numbers steps as metrics.jsonl does: `step` counts from 0 over the whole
+schedule (the number `maxlm trace --step` takes and spike messages give) and the stage's own
+step is `stage_step`, also from 0. A DPO run's line carries the step's reward accuracy and
+margin.
+
 On a terminal the progress line is redrawn in place (`\\r`); every other message first ends a
 pending progress line, so nothing is ever glued to it. Piped or given another `log` (tests,
 verify-restart), every message is a whole line. The ETA uses steady-state steps only: each
@@ -123,3 +128,14 @@ def clock(seconds):
   s = int(round(seconds))
   h, m = divmod(s // 60, 60)
   return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+def progress_line(s, k, steps, g, total, row, seconds_left):
+  """Step g (step k of stage s's `steps`; `total` in all) from its metrics row."""
+  line = f"step {g}/{total - 1} (stage {s} step {k}/{steps - 1}) loss {row['loss']:.4f}"
+  if "reward_accuracy" in row:
+    line += f" reward_acc {row['reward_accuracy']:.2f} margin {row['reward_margin']:.3f}"
+  line += f" lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {clock(seconds_left)}"
+  if "val_loss" in row:
+    line += f" val_loss {row['val_loss']:.4f} val_bpb {row['val_bpb']:.3f}"
+  return line

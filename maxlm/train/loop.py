@@ -268,7 +268,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         spike = detector.observe(s, m["loss"])
         if spike:
           row["spike"] = spike
-          log(f"loss spike at step {g} of metrics.jsonl (total {g + 1} here): "
+          log(f"loss spike at step {g}: "
               f"{m['loss']:.4f} > {spike['threshold']:.4f} (mean + "
               f"{config.train.spike_sigmas:g} std of the last {config.train.spike_window} "
               f"steps); maxlm trace {config.run_dir} --step {g}")
@@ -346,9 +346,6 @@ _WARNED_SMALL = set()  # run dirs whose small held-out sets this process has nam
 
 def _progress(log, eta, s, k, steps, g, total, m, row):
   eta.step(g)
-  line = (f"stage {s} step {k + 1}/{steps} (total {g + 1}/{total}) loss {m['loss']:.4f} "
-          f"lr {m['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {console.clock(eta.left(g))}")
-  if "val_loss" in row:
-    line += f" val_loss {row['val_loss']:.4f} val_bpb {row['val_bpb']:.3f}"
-  log.progress(line, keep="val_loss" in row or k + 1 == steps)
+  log.progress(console.progress_line(s, k, steps, g, total, row, eta.left(g)),
+               keep="val_loss" in row or k + 1 == steps)
 
