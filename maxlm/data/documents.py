@@ -2,7 +2,9 @@
 
 Reads JSON Lines (`text` or chat `messages`, optional `id` and `source`), plain text, markdown
 and code files, and files matching an `as_text` glob as plain text, from the files walk.py
-yields. Each rejected document is counted in a `Report`
+yields. Each document gets a `kind` and `kind_from` (quality/kinds.py: a record's `kind`, a
+path-like field with a code suffix, a programming `lang`, the file's suffix; else `web` for a
+JSON Lines text record, to be refined by the quality steps' content check). Each rejected document is counted in a `Report`
 by reason (non_utf8, empty, malformed_json, missing_text, bad_messages, bad_unicode) with a few
 examples (all with --verbose); the Report also holds walk.py's skipped counts and renamed ids.
 
@@ -20,12 +22,12 @@ import collections
 import fnmatch
 import json
 import os
-import pathlib
 
 import numpy as np
 import xxhash
 
 from maxlm.data import pairs, sections, tokenizer, walk
+from maxlm.data.quality import kinds
 
 TEXT_SUFFIXES = frozenset(".txt .md .markdown .rst .text".split())
 JSONL_SUFFIXES = frozenset((".jsonl",))
@@ -52,6 +54,7 @@ class Report:
     self.pair_examples = collections.defaultdict(list)
     self.prompt_rejected = collections.Counter({r: 0 for r in pairs.REASONS[:2]})
     self.truncated_pairs = 0
+    self.listener = None  # called (reason, where) for each rejected document (--rejected)
 
   def _note(self, examples, where):
     if self.limit is None or len(examples) < self.limit:
@@ -60,10 +63,14 @@ class Report:
   def reject(self, reason, where):
     self.rejected[reason] += 1
     self._note(self.examples[reason], where)
+    if self.listener is not None:
+      self.listener(reason, where)
 
-  def reject_pair(self, reason, where, prompt=False):
+  def reject_pair(self, reason, where, prompt=False, listen=True):
     (self.prompt_rejected if prompt else self.pair_rejected)[reason] += 1
     self._note(self.pair_examples[reason], where)
+    if listen and self.listener is not None:
+      self.listener(reason, where)
 
   def skip(self, reason, where):
     self.skipped[reason] += 1
@@ -114,7 +121,8 @@ def iter_documents(inputs, report):
       continue
     text = _decode(data, shown, report)
     if text is not None and _nonblank(text, shown, report):
-      yield {"source": source, "id": shown, "where": shown, "kind": kind, "text": text}
+      yield {"source": source, "id": shown, "where": shown, "kind": kind, "kind_from": "suffix",
+             "text": text}
 
 
 def _jsonl_documents(path, shown, report):
@@ -239,5 +247,6 @@ def _parse_line(line, where, report):
     return None
   if not _nonblank(record["text"], where, report):
     return None
-  kind = "code" if pathlib.PurePath(doc.get("id", "")).suffix in sections.CODE_SUFFIXES else "prose"
-  return {**doc, "kind": kind, "text": record["text"]}
+  kind, kind_from = kinds.of_record(record)
+  return {**doc, "kind": kind or "web", "kind_from": kind_from or "default",
+          "text": record["text"]}

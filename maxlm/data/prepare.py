@@ -26,7 +26,7 @@ import tqdm
 from maxlm import MaxlmError
 from maxlm.data import (datadir, index_files, pairs, quality as quality_lib, sections, store,
                         tokenizer, walk)
-from maxlm.data.quality import engine as quality_engine, select
+from maxlm.data.quality import engine as quality_engine, funnel as funnel_lib, select
 from maxlm.data.documents import REASONS, Report, iter_documents, unique_ids  # noqa: F401
 
 
@@ -68,7 +68,8 @@ def encode_document(doc):
   if doc["kind"] == "pair":
     tokens, pc, truncated = pairs.encode(_SP, doc, _MAX_PAIR)
     if tokens is None:
-      return {"reject": pc, "where": doc["where"]}
+      return {"reject": pc, "where": doc["where"], "id": doc["id"], "source": doc["source"],
+              "nbytes": sum(len(t.encode()) for t in pairs.texts(doc))}
     nbytes = sum(len(t.encode()) for t in pairs.texts(doc))
     return {"pair": pc, "truncated": truncated,
             "record": (doc["source"], doc["id"], tokens, (), (), np.zeros((0, 2), np.int32),
@@ -117,18 +118,21 @@ def heldout(source, doc_id, fraction):
 def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
             workers=None, progress=True, overwrite=False, verbose=False, log=print,
             quality=None, rejected=None, engine="local", tasks=None, inspect_dir=None,
-            as_text=(), max_pair_len=pairs.MAX_PAIR_LEN):
+            as_text=(), max_pair_len=pairs.MAX_PAIR_LEN, strict=False):
   """Runs the whole preparation and returns the manifest dict.
 
   Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
   old one, with `overwrite`) only once complete. quality: a `quality.QualityConfig` to filter
   and deduplicate with (None: keep every usable document, as `quality.OFF` does); rejected: a
-  JSON Lines path listing every document the quality steps removed. engine: "local" (a
+  JSON Lines path listing every rejected document (those rejected while reading, under step
+  `input`, too). engine: "local" (a
   process pool) or "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers`
   processes; `quality.engine`) for the per-document quality work; inspect_dir: where its
   tasks' records are, or go (default: a temporary folder). as_text: globs of files to read as
   text that prepare would otherwise skip (`documents.text_glob`). max_pair_len: the most row
   positions a preference pair may fill (pairs.py: longer prompts are cut from the left).
+  strict: a source the funnel warns about (quality/funnel.py `warnings`) is an error, raised
+  before tokenizing; otherwise each warning is logged and kept in the manifest.
   """
   global _MAX_PAIR
   _MAX_PAIR = int(max_pair_len)
@@ -137,20 +141,36 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
   staging = datadir.Staging(out_dir, overwrite, log)
   spill = None
+  listed = funnel_lib.Rejected(rejected)
+  report.listener = listed.write_input
   try:
     if quality is not None:
       spill_dir = os.path.dirname(str(staging.dir)) if staging.local else None
-      spill, report.funnel = _select(inputs, report, quality, workers, progress, rejected,
+      spill, report.funnel = _select(inputs, report, quality, workers, progress, listed,
                                      spill_dir, engine, tasks, inspect_dir)
       report.quality = dataclasses.asdict(quality)
+      _warn(report.funnel, strict, log)
+    report.rejected_list = listed
     return _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers,
                     progress, spill)
   except BaseException:
     staging.abort()
     raise
   finally:
+    listed.close()
     if spill is not None:
       os.unlink(spill)
+
+
+def _warn(funnel, strict, log):
+  """The funnel's warnings (quality/funnel.py), logged, or with `strict` the first as an
+  error."""
+  found = funnel.as_json()["warnings"]
+  if strict and found:
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    raise MaxlmError(f"--strict: {found[0]}{more}")
+  for line in found:
+    log(f"warning: {line}")
 
 
 def _select(inputs, report, quality, workers, progress, rejected, spill_dir, engine, tasks,
@@ -200,7 +220,12 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
       elif "prompt" in record:
         writer.prompts.append(record["prompt"])
       elif "reject" in record:
-        report.reject_pair(record["reject"], record["where"])
+        report.reject_pair(record["reject"], record["where"], listen=False)
+        if report.funnel is not None:
+          report.funnel.remove_kept(record["source"], record["nbytes"], "over_long",
+                                    record["reject"])
+        report.rejected_list.write(
+            record, "over_long" if report.funnel is not None else "input", record["reject"])
       else:
         report.truncated_pairs += record["truncated"]
         writer.add(*record["record"], pair=record["pair"])
@@ -279,7 +304,7 @@ class DataDirWriter:
     source = np.array(self.cols["source"], np.int32)
     split = np.array([store.VAL if heldout(s, i, val_fraction) else store.TRAIN
                       for s, i in zip(self.cols["source"], self.split_ids)], np.uint8)
-    for s in range(len(self.sources)):
+    for s in range(len(self.sources) if val_fraction > 0 else 0):
       members = np.flatnonzero(source == s)
       if len(members) >= 2 and not (split[members] == store.VAL).any():
         split[members[-1]] = store.VAL  # every source with 2+ documents holds one out
@@ -358,4 +383,6 @@ def _funnel(report, index):
   if getattr(report, "funnel", None) is None:
     return {}
   report.funnel.kept_tokens = int(index.length.sum())
+  report.funnel.source_tokens = {name: int(index.length[index.source == s].sum())
+                                 for s, name in enumerate(index.sources)}
   return {"quality": report.quality, "funnel": report.funnel.as_json()}

@@ -1,24 +1,39 @@
 """The data-quality half of `maxlm prepare`: what is removed before tokenizing, and why.
 
-Every document passes these steps in order; the first that removes it names its step and
-rule, which the funnel counts (documents and bytes) and `--rejected FILE.jsonl` lists:
-  1. language     prose and chat must be in one of the accepted languages (`lang.py`), with
-                  probability >= `lang_min_score`; code is exempt. The probability is kept
-                  in the doc index (`lang_score`).
-  2. lines        C4 line cleaning of prose (`rules.c4_clean`): boilerplate lines go first, so
-                  a footer shared by a site's pages cannot get whole pages dropped by step 4;
-                  a document with too little left is removed here.
-  3. quality      Gopher's document rules on the cleaned prose.
-  4. repetition   Gopher's repetition rules on the cleaned prose.
-  5. code         code documents get code rules instead of 2-4.
+Every document has a kind (`kinds.py` says where it comes from: `--kind SOURCE=KIND`, a
+record's `kind`, a path or `lang` field, the file's suffix, a content check, else `web`),
+and the kind decides its steps:
+
+  kind    language  lines  quality  repetition  code  exact_dup  near_dup
+  web        x        x       x         x                 x          x
+  prose      x                x         x                 x          x
+  code                                              x     x          x
+  chat       x                                            x          x
+  (preference pairs and RL prompts: language, dedup; pairs also `over_long` at tokenizing)
+
+The steps, in order; the first that removes a document names its step and rule, which the
+funnel counts (documents, bytes, tokens, per source) and `--rejected FILE.jsonl` lists:
+  1. language     the text must be in one of the accepted languages (`lang.py`), with
+                  probability >= `lang_min_score`. The probability is kept in the doc index
+                  (`lang_score`).
+  2. lines        C4 line cleaning, a paragraph at a time (`lines.py`: the lines that wrap one
+                  paragraph are judged together, so hard-wrapped text is not cut into
+                  fragments); boilerplate goes first, so a footer shared by a site's pages
+                  cannot get whole pages dropped by step 4; a document with too little left
+                  is removed here.
+  3. quality      Gopher's document rules (on the cleaned text of `web`).
+  4. repetition   Gopher's repetition rules.
+  5. code         code documents get code rules instead of 1-4.
   6. exact_dup    the same normalized text as an earlier kept document.
   7. near_dup     a MinHash/LSH near-duplicate of an earlier kept document (`minhash.py`):
                   a shared band (16 x 8 by default) and an estimated Jaccard >= 0.7.
+  8. over_long    (preference pairs, at tokenizing) answers that do not fit --max-pair-len.
 Steps 1-5 and the signatures run per document in prepare's worker processes; steps 6-7 are
 decided in one streaming pass in input order, so the first document of every cluster survives
-and the result is the same for any number of workers. Dedup runs across all sources. Chat
-documents get steps 1, 6 and 7 only. The validation split is drawn afterwards from what was
-kept, so no validation document is a near-duplicate of a training document.
+and the result is the same for any number of workers. Dedup runs across all sources. The
+validation split is drawn afterwards from what was kept, so no validation document is a
+near-duplicate of a training document. Documents rejected before these steps (`empty`,
+`bad_unicode`, ...) are listed by `--rejected` too, under step `input`.
 """
 
 import dataclasses
@@ -26,10 +41,11 @@ import difflib
 import math
 
 from maxlm.data import pairs
-from maxlm.data.quality import lang, minhash, rules
+from maxlm.data.quality import kinds as kinds_lib, lang, lines, minhash, rules
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml
 
-STEPS = ("language", "lines", "quality", "repetition", "code", "exact_dup", "near_dup")
+STEPS = ("language", "lines", "quality", "repetition", "code", "exact_dup", "near_dup",
+         "over_long")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +53,7 @@ class QualityConfig:
   """What `maxlm prepare` filters; a YAML file (`--quality FILE`) and `--filter KEY=VALUE`."""
   lang: tuple[str, ...] = ("en",)  # accepted language codes; ("any",) skips language ID
   lang_by_source: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  kinds: dict[str, str] = dataclasses.field(default_factory=dict)  # source -> web|prose|code|chat
   lang_min_score: float = 0.5  # in [0, 1]
   filters: bool = True  # steps 2-5
   dedup: bool = True  # steps 6-7
@@ -48,6 +65,8 @@ class QualityConfig:
   thresholds: rules.Thresholds = rules.Thresholds()
 
   def check(self):
+    for source, kind in self.kinds.items():
+      kinds_lib.check(kind, f"kinds.{source}")
     known = None
     for key, codes in [("lang", self.lang)] + [(f"lang_by_source.{s}", c)
                                                for s, c in self.lang_by_source.items()]:
@@ -111,19 +130,37 @@ class Inspector:
     self.perms = minhash.permutations(config.num_perm) if config.dedup else None
     self.bander = minhash.Bander(config.bands, config.rows) if config.dedup else None
 
+  def kind_of(self, doc):
+    """(kind, where it came from): --kind/`kinds:` first, then the document's own, refined
+    by the content check for a JSON Lines text record that gave no hint."""
+    forced = self.config.kinds.get(doc["source"])
+    if forced and doc["kind"] not in ("pair", "prompt"):
+      if forced == "chat" and doc["kind"] != "chat" or doc["kind"] == "chat" != forced:
+        return doc["kind"], doc.get("kind_from", "record")  # chat is a record's shape
+      return forced, "flag"
+    kind_from = doc.get("kind_from", "default")
+    if kind_from == "default" and doc["kind"] == "web" and kinds_lib.looks_like_code(doc["text"]):
+      return "code", "content"
+    return doc["kind"], kind_from
+
   def __call__(self, doc):
-    """The document (text cleaned) with `verdict`: {step, rule, lang, lang_score, exact,
-    bands, nbytes_in, and nbytes_out once line cleaning ran}; step None means it passed steps
-    1-5."""
-    texts = ([m["content"] for m in doc["messages"]] if doc["kind"] == "chat" else
-             pairs.texts(doc) if doc["kind"] == "pair" else
-             [pairs.prompt_text(doc["prompt"])] if doc["kind"] == "prompt" else [doc["text"]])
+    """The document (text cleaned, kind resolved) with `verdict`: {step, rule, kind,
+    kind_from, lang, lang_score, exact, sig, bands, nbytes_in, nchars_in, and nbytes_out,
+    nchars_out, line_bytes ({rule: bytes}) once line cleaning ran}; step None means it passed
+    steps 1-5."""
+    kind, kind_from = self.kind_of(doc)
+    doc = {**doc, "kind": kind}
+    doc.pop("kind_from", None)
+    texts = ([m["content"] for m in doc["messages"]] if kind == "chat" else
+             pairs.texts(doc) if kind == "pair" else
+             [pairs.prompt_text(doc["prompt"])] if kind == "prompt" else [doc["text"]])
     whole = "\n".join(texts)
-    verdict = {"step": None, "rule": None, "lang": None, "lang_score": float("nan"),
-               "exact": 0, "sig": None, "bands": None, "nbytes_in": len(whole.encode())}
-    doc = {**doc, "verdict": verdict}
+    verdict = {"step": None, "rule": None, "kind": kind, "kind_from": kind_from, "lang": None,
+               "lang_score": float("nan"), "exact": 0, "sig": None, "bands": None,
+               "nbytes_in": len(whole.encode()), "nchars_in": len(whole)}
+    doc["verdict"] = verdict
     accepted = self.config.langs_for(doc["source"])
-    if doc["kind"] != "code" and "any" not in accepted:
+    if kind != "code" and "any" not in accepted:
       verdict["lang"], verdict["lang_score"] = lang.identify(whole)
       if verdict["lang"] not in accepted:
         verdict.update(step="language", rule=f"lang_{verdict['lang']}")
@@ -131,14 +168,14 @@ class Inspector:
       if verdict["lang_score"] < self.config.lang_min_score:
         verdict.update(step="language", rule="lang_min_score")
         return doc
-    if self.config.filters and doc["kind"] not in ("chat", "pair", "prompt"):
+    if self.config.filters and kind in ("web", "prose", "code"):
       rule, step = self._filters(doc, verdict)
       if rule:
         verdict.update(step=step, rule=rule)
         return doc
       whole = doc["text"]
     if self.config.dedup:
-      normalized = minhash.normalize(whole, doc["kind"])
+      normalized = minhash.normalize(whole, kind)
       verdict["exact"] = minhash.exact_key(normalized)
       sig = minhash.signature(minhash.shingles(normalized, self.config.shingle_words),
                               self.perms)
@@ -149,12 +186,15 @@ class Inspector:
     t = self.config.thresholds
     if doc["kind"] == "code":
       return rules.code_rules(doc["text"], t), "code"
-    cleaned, rule = rules.c4_clean(doc["text"], t)
-    if rule:
-      return rule, "lines"
-    doc["text"] = cleaned
-    verdict["nbytes_out"] = len(cleaned.encode())
-    rule = rules.gopher_quality(cleaned, t)
+    text = doc["text"]
+    if doc["kind"] == "web":
+      cleaned, rule, dropped = lines.clean(text, t)
+      if rule:
+        return rule, "lines"
+      doc["text"] = text = cleaned
+      verdict.update(nbytes_out=len(cleaned.encode()), nchars_out=len(cleaned),
+                     line_bytes=dropped)
+    rule = rules.gopher_quality(text, t)
     if rule:
       return rule, "quality"
-    return rules.gopher_repetition(cleaned, t), "repetition"
+    return rules.gopher_repetition(text, t), "repetition"

@@ -48,15 +48,17 @@ def bounded_imap(pool, fn, items, window=2048, chunksize=16):
     yield from pool.imap(fn, batch, chunksize=chunksize)
 
 
-def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill_dir=None,
+def run(docs, inspector, workers=None, progress=False, rejected=None, spill_dir=None,
         inspected=None):
   """(spill path, Funnel): the kept documents of `docs`, in order, and the counts.
-  inspected: the documents already inspected, with their verdicts (by `engine.merged`)."""
+  rejected: a `funnel.Rejected` (left open) or a path (or None); inspected: the documents
+  already inspected, with their verdicts (by `engine.merged`)."""
   from maxlm.data.quality import minhash
   config = inspector.config
   funnel = funnel_lib.Funnel()
   dedup = minhash.Deduper(config.near_threshold, config.num_perm)
-  rejected = funnel_lib.Rejected(rejected_path)
+  owned = not isinstance(rejected, funnel_lib.Rejected)
+  rejected = funnel_lib.Rejected(rejected) if owned else rejected
   fd, spill = tempfile.mkstemp(prefix="maxlm-kept-", suffix=".jsonl", dir=spill_dir)
   ids = []  # kept documents' ids by their number, to name what a duplicate duplicates
   try:
@@ -68,8 +70,11 @@ def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill
         stream = bounded_imap(pool, _inspect, docs)
       for doc in tqdm.tqdm(stream, desc="filter", unit="doc", disable=not progress):
         verdict = doc.pop("verdict")
+        doc["kind"] = verdict.get("kind", doc["kind"])
+        doc.pop("kind_from", None)
+        count = lambda *a: funnel.count(verdict, *a, source=doc["source"], where=doc["id"])
         if verdict["step"] is not None:
-          funnel.count(verdict)
+          count()
           rejected.write(doc, verdict["step"], verdict["rule"])
           continue
         if inspector.config.dedup:
@@ -77,10 +82,10 @@ def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill
           if found is not None:
             kind, earlier = found
             step = f"{kind}_dup"
-            funnel.count(verdict, step, kind)
+            count(step, kind)
             rejected.write(doc, step, kind, duplicate_of=ids[earlier])
             continue
-        funnel.count(verdict)
+        count()
         ids.append(doc["id"])
         doc["lang_score"] = verdict["lang_score"]
         out.write(json.dumps(doc, ensure_ascii=False) + "\n")
@@ -88,7 +93,8 @@ def run(docs, inspector, workers=None, progress=False, rejected_path=None, spill
     os.unlink(spill)
     raise
   finally:
-    rejected.close()
+    if owned:
+      rejected.close()
   return spill, funnel
 
 
