@@ -22,8 +22,8 @@ from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import distributed, mesh as mesh_lib, peaks, preemption, watchdog
 from maxlm.train import dpo
-from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, resume,
-                         rundir, sparse_stage, spikes, step as step_lib)
+from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, pause,
+                         resume, rundir, sparse_stage, spikes, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 # Dispatch step k+1 before reading step k's metrics (read one step late; a step that is due to
@@ -287,6 +287,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
           resume.save(ckpts, data, state, s, k + 1, g + 1, consumed, config, it, it_start,
                       detector.state(), init_from)
           run_dir.push()
+        pause.maybe_wait(g, preempt)  # MAXLM_PAUSE_AFTER: tests and verify-restart only
         if stop:
           ckpts.wait()
           log(f"stopped after step {g + 1} ({preempt.reason() or 'stop_after'}); "
