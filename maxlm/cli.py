@@ -85,8 +85,16 @@ def _parser():
                       "or as --quality says)")
   p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
                  help="one threshold or setting, e.g. gopher_min_words=20 or bands=20")
+  p.add_argument("--kind", action="append", default=[], metavar="SOURCE=KIND",
+                 help="what a source is: web (line cleaning), prose (no line deleted), code "
+                      "(code rules only) or chat; repeatable (default: from each record or "
+                      "file, docs/data.md)")
+  p.add_argument("--strict", action="store_true",
+                 help="a source that loses over half its bytes, or whose kept documents keep "
+                      "under 80%% of their characters on median, is an error, not a warning")
   p.add_argument("--quality", metavar="FILE.yaml", help="quality settings (see docs/data.md)")
-  p.add_argument("--rejected", metavar="FILE.jsonl", help="one line per removed document")
+  p.add_argument("--rejected", metavar="FILE.jsonl",
+                 help="one line per rejected document (those rejected while reading too)")
   p.add_argument("--funnel-png", metavar="FILE.png", help="draw the funnel")
   p.add_argument("--engine", choices=("local", "datatrove"), default="local",
                  help="run the per-document quality work in a local process pool, or as "
@@ -99,6 +107,14 @@ def _parser():
   p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
   p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
   p.add_argument("--png", metavar="FILE.png", help="also draw the funnel there")
+
+  p = sub.add_parser("show-doc", help="a kept document's cleaned text, or its input with each "
+                     "removed line and the rule that removed it")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
+  p.add_argument("doc_id", help="the document's id (as in --rejected, show-batch, trace)")
+  p.add_argument("--diff", nargs="+", metavar="INPUT",
+                 help="the inputs prepare read: show the document's input lines, each removed "
+                      "one marked '-' with its rule")
 
   p = sub.add_parser("check-data", help="re-hash every file of a data dir against its manifest")
   p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
@@ -125,6 +141,8 @@ def _parser():
   p.add_argument("--row", type=int, default=None,
                  help="row of the batch (default: the row with most segments)")
   p.add_argument("--out", required=True, metavar="FILE.png", help="the picture to write")
+  p.add_argument("--text", action="store_true",
+                 help="also print the row's segments as decoded text, each named")
 
   p = sub.add_parser("train", help="train (or resume) the config's schedule in run_dir")
   _add_config(p)
@@ -150,11 +168,13 @@ def _parser():
   p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
   p.add_argument("--split", choices=("val", "train"), default="val",
                  help="held-out documents, or training ones for comparison")
-  p.add_argument("--rows", type=int, default=None,
-                 help="rows to evaluate (default: the run's train.eval_rows)")
+  p.add_argument("--tokens", type=int, default=None,
+                 help="held-out tokens per source, whole documents (default: the run's "
+                      "train.eval_tokens)")
   p.add_argument("--json", action="store_true",
-                 help="print {step, stage, split, sources: {name: {rows, tokens, bytes, loss, "
-                      "bpb}}, all: {...}} as JSON, not a table")
+                 help="print {step, stage, seq_len, split, eval_tokens, small_tokens, sources: "
+                      "{name: {documents, tokens, bytes, nll, loss, bpb, small}}, all: {...}} "
+                      "as JSON, not a table (bpb = nll / ln 2 / bytes)")
 
   p = sub.add_parser("trace", help="a step's loss per document, replayed exactly from a "
                      "checkpoint; or the loss spikes training flagged")
@@ -279,6 +299,7 @@ def cmd_demo(args):
 
 
 COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
+            "show-doc": cli_data.cmd_show_doc,
             "check-data": cli_data.cmd_check_data,
             "ledger": cli_data.cmd_ledger, "batches": cli_data.cmd_batches,
             "show-batch": cli_data.cmd_show_batch, "train": cmd_train,
@@ -328,6 +349,29 @@ def _import_early(command):
       pass
 
 
+def os_error_line(e):
+  """An operating system error as the one line a user can act on (what failed, on which path,
+  the fix), or None for any other exception. Libraries that wrap it (safetensors, TensorStore)
+  keep only the words "os error 28" or "os_error_code='28'", found here in their message."""
+  import errno
+  import re
+  if isinstance(e, OSError) and e.errno:
+    code, where = e.errno, " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    text = f"{e.strerror or e} (errno {code})" + (f": {where}" if where else "")
+  else:
+    found = re.search(r"os error (\d+)|os_error_code='(\d+)'", str(e))
+    if not found:
+      return None
+    code = int(found[1] or found[2])
+    text = f"{os.strerror(code)} (errno {code}): {type(e).__name__}: {str(e).splitlines()[0]}"
+  fixes = {errno.ENOSPC: "free space there or write elsewhere",
+           errno.EDQUOT: "free space there or write elsewhere",
+           errno.EROFS: "the file system is read-only: write elsewhere",
+           errno.EACCES: "check its permissions or write elsewhere",
+           errno.EPERM: "check its permissions or write elsewhere"}
+  return text + (f"; {fixes[code]}" if code in fixes else "")
+
+
 def _dispatch(args):
   try:
     code = COMMANDS[args.command](args)
@@ -340,6 +384,10 @@ def _dispatch(args):
   except Exception as e:  # a crash: one line, the traceback only on request
     if os.environ.get("MAXLM_DEBUG"):
       raise
+    line = os_error_line(e)
+    if line:  # the machine's condition (a full disk, a read-only folder), not a bug
+      print(f"maxlm {args.command}: error: {line}", file=sys.stderr)
+      return 2
     print(f"maxlm {args.command}: internal error: {type(e).__name__}: {e} "
           f"(set MAXLM_DEBUG=1 for the traceback)", file=sys.stderr)
     return 1

@@ -1,5 +1,5 @@
-"""The data commands: `maxlm prepare`, `funnel` and `check-data` on a data dir, and `ledger`,
-`batches` and `show-batch` on the plan of a config (their arguments are declared with the
+"""The data commands: `maxlm prepare`, `funnel`, `show-doc` and `check-data` on a data dir, and
+`ledger`, `batches` and `show-batch` on the plan of a config (their arguments are declared with the
 others in `maxlm.cli`)."""
 
 import dataclasses
@@ -27,7 +27,7 @@ def cmd_prepare(args):
                              verbose=args.verbose, quality=quality, rejected=args.rejected,
                              engine=args.engine, tasks=args.tasks,
                              inspect_dir=args.inspect_dir, as_text=args.as_text,
-                             max_pair_len=args.max_pair_len)
+                             max_pair_len=args.max_pair_len, strict=args.strict)
   _print_manifest(manifest, args.out, args.verbose)
   _show_funnel(manifest, args.funnel_png)
 
@@ -64,6 +64,7 @@ def _check_outputs(args):
 
 def _quality_config(args):
   from maxlm.data import quality
+  from maxlm.data.quality import kinds
   overrides = [f"{name}={value == 'on'}" for name, value in (("filters", args.filters),
                                                              ("dedup", args.dedup)) if value]
   by_source = {}
@@ -79,6 +80,9 @@ def _quality_config(args):
   config = quality.load(args.quality, overrides + list(args.filter))
   if by_source:
     config = dataclasses.replace(config, lang_by_source={**config.lang_by_source, **by_source})
+  flags = kinds.parse_flags(args.kind)
+  if flags:
+    config = dataclasses.replace(config, kinds={**config.kinds, **flags})
   return config
 
 
@@ -97,6 +101,7 @@ def _show_funnel(manifest, png=None, title="prepare funnel"):
 
 def cmd_funnel(args):
   from maxlm.data import store
+  check_suffix("--png", args.png, ".png")
   manifest = store.load_manifest(args.data_dir)
   if not manifest.get("funnel"):
     raise MaxlmError(f"{args.data_dir} was prepared by a maxlm without the quality steps: no "
@@ -148,6 +153,27 @@ def _print_skipped_files(manifest, verbose, shown=3):
           "matching files as text)")
 
 
+def cmd_show_doc(args):
+  from maxlm.data import documents, store
+  from maxlm.data.quality import explain
+  if not args.diff:
+    explain.doc_number(args.data_dir, args.doc_id)
+    print(explain.kept_text(args.data_dir, args.doc_id))
+    return
+  manifest = store.load_manifest(args.data_dir)
+  config = explain.config_of(manifest)
+  if config is None:
+    raise MaxlmError(f"{args.data_dir} was prepared without the quality steps: nothing was "
+                     "removed from any document")
+  report = documents.Report(as_text=manifest.get("as_text", ()))
+  docs = documents.unique_ids(documents.iter_documents(args.diff, report), report)
+  kind, kind_from, judged, verdict = explain.explain(docs, args.doc_id, config)
+  fate = (f"removed at {verdict['step']} by {verdict['rule']}" if verdict["step"] else
+          "kept" if sum(r is not None for _, r in judged) == 0 else "kept, lines removed")
+  print(f"{args.doc_id}: kind {kind} (from {kind_from}), {fate}")
+  print(explain.format_diff(judged))
+
+
 def cmd_check_data(args):
   from maxlm.data import datadir, store
   manifest = store.load_manifest(args.data_dir)
@@ -158,6 +184,14 @@ def cmd_check_data(args):
                      f"maxlm prepare INPUT... --out {args.data_dir} --overwrite")
   print(f"{args.data_dir}: all {len(manifest['files'])} files match manifest.json "
         f"(fingerprint {manifest['fingerprint'][:12]})")
+
+
+def check_suffix(flag, path, suffix):
+  """The file a command writes ends in its format's suffix: the library would otherwise append
+  one (a file other than the one named) or refuse the name."""
+  if path is not None and not path.lower().endswith(suffix):
+    raise MaxlmError(f"{flag} {path}: give a file name ending in {suffix} (the file written is "
+                     f"{suffix[1:].upper()})")
 
 
 def ensure_parent(path):
@@ -207,6 +241,7 @@ def attention_mode(stage):
 def cmd_batches(args):
   import numpy as np
   from maxlm.data import loader
+  check_suffix("--out", args.out, ".npz")
   cfg, data = _open_data(args)
   _check_step(cfg, args.stage, args.step, args.count)
   ds = loader.stage_dataset(data, args.stage, args.host_index, args.hosts)
@@ -221,6 +256,7 @@ def cmd_batches(args):
 
 def cmd_show_batch(args):
   from maxlm.data import loader, show
+  check_suffix("--out", args.out, ".png")
   cfg, data = _open_data(args)
   _check_step(cfg, args.stage, args.step)
   batch = loader.stage_dataset(data, args.stage)[args.step]
@@ -228,6 +264,26 @@ def cmd_show_batch(args):
   if not 0 <= row < len(batch["inputs"]):
     raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
   ensure_parent(args.out)
-  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}",
-                    data.provenance(data.global_batch_pieces(args.stage, args.step))[row])
+  pieces = data.provenance(data.global_batch_pieces(args.stage, args.step))[row]
+  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}", pieces)
   print(f"wrote {args.out}")
+  if getattr(args, "text", False):
+    _print_row_text(data, batch, row, pieces)
+
+
+def _print_row_text(data, batch, row, pieces):
+  """Each segment of the row as text, decoded by the data dir's tokenizer, under its name."""
+  import numpy as np
+  from maxlm.data import show, tokenizer
+  sp = tokenizer.load(io.read_bytes(io.join(data.config.data.dir,
+                                            data.manifest.get("tokenizer", "tokenizer.model"))))
+  seg = np.asarray(batch["segment_ids"][row])
+  named = [dict(p, role=r) for p in pieces
+           for r in (("chosen", "rejected") if p.get("pair") else (None,))]
+  for k in range(1, int(seg.max()) + 1):
+    tokens = np.asarray(batch["inputs"][row])[seg == k].tolist()
+    name = show.piece_label(named[k - 1]) if k <= len(named) else f"segment {k}"
+    print(f"--- segment {k}: {name}, {len(tokens)} positions")
+    print(sp.decode(tokens))
+  pad = int((seg == 0).sum())
+  print(f"--- padding: {pad} positions")

@@ -138,7 +138,7 @@ class Inspector:
       if forced == "chat" and doc["kind"] != "chat" or doc["kind"] == "chat" != forced:
         return doc["kind"], doc.get("kind_from", "record")  # chat is a record's shape
       return forced, "flag"
-    kind_from = doc.get("kind_from", "default")
+    kind_from = doc.get("kind_from", "record")
     if kind_from == "default" and doc["kind"] == "web" and kinds_lib.looks_like_code(doc["text"]):
       return "code", "content"
     return doc["kind"], kind_from

@@ -36,13 +36,17 @@ PROGRAMMING = frozenset("""python py c c++ cpp c# csharp java javascript js type
 
 _STRONG_PY = re.compile(r"^[ \t]*(?:def |class |import |from [\w.]+ import |@\w)", re.M)
 _CODE_LINE = re.compile(
-    r"^\s*(?:(?:def|class|import|return|elif|except|raise|yield|await|async|package|func|fn|"
+    r"^[ \t]*(?:(?:def|class|import|return|elif|except|raise|yield|await|async|package|func|fn|"
     r"let|const|var|public|private|protected|static|void|using|namespace|function|struct|"
-    r"impl|enum|typedef|template|module|require|include)\b"
-    r"|#\s*(?:include|define|if|ifdef|ifndef|endif|pragma)\b|//|/\*|\*/|[{}]"
-    r"|[\w.\[\]\"']+\s*(?:[-+*/%|&^]|<<|>>)?=\s*\S"
-    r"|.*(?:[;{}]|\)\s*:|\b(?:else|try|finally)\s*:)\s*$)")
-_FENCE = re.compile(r"^\s{0,3}(?:```|~~~)")
+    r"impl|enum|typedef|template|module|require|include|pass|break|continue|assert|del|"
+    r"self|this|end|fi|done|esac|echo)\b"
+    r"|(?:if|for|while|with|switch|case)\b.*[:{)][ \t]*$"
+    r"|[\w.]+\(.*\)[ \t]*;?[ \t]*$|[)\]}]+[,;]?[ \t]*$|@\w"
+    r"|#[ \t]*(?:include|define|if|ifdef|ifndef|endif|pragma)\b|//|/\*|\*/|[{}]"
+    r"|[\w.\[\]\"']+[ \t]*(?:[-+*/%|&^]|<<|>>)?=[ \t]*\S"
+    r"|.*(?:[;{}]|\)\s*:|\b(?:else|try|finally)\s*:)[ \t]*$)", re.M)
+_BLANK = re.compile(r"^[ \t]*$", re.M)
+_FENCED = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
 
 
 def check(kind, where):
@@ -79,23 +83,19 @@ def of_record(record):
 
 
 def looks_like_code(text):
-  """Whether the text is obviously source code (step 5): Python that parses with two or more
-  definitions, imports or assignments, or any text of which at least half the non-blank
-  lines (at least 5), outside markdown code fences, look like code lines (keywords,
-  assignments, braces and semicolons at the end, C preprocessor, comments in // and /*)."""
-  if len(_STRONG_PY.findall(text, 0, 20_000)) >= 2 and _parses_as_python(text):
+  """Whether the text is obviously source code (step 5): at least half its non-blank lines
+  (and at least 5), outside markdown code fences, look like code (a statement keyword, an
+  assignment, a call alone on its line, braces or a semicolon at the end, C preprocessor,
+  // and /* comments), or it is Python that parses with two or more definitions, imports or
+  assignments (for modules that are mostly docstrings and comments)."""
+  head = text[:100_000]
+  if "```" in head or "~~~" in head:
+    head = _FENCED.sub("", head)
+  nonblank = head.count("\n") + 1 - len(_BLANK.findall(head))
+  code = len(_CODE_LINE.findall(head))
+  if code >= 5 and code >= 0.5 * nonblank:
     return True
-  nonblank = code = 0
-  fenced = False
-  for line in text.split("\n", 2000)[:2000]:
-    if _FENCE.match(line):
-      fenced = not fenced
-      continue
-    if fenced or not line.strip():
-      continue
-    nonblank += 1
-    code += bool(_CODE_LINE.match(line))
-  return code >= 5 and code >= 0.5 * nonblank
+  return len(_STRONG_PY.findall(text, 0, 20_000)) >= 2 and _parses_as_python(text)
 
 
 def _parses_as_python(text):

@@ -18,7 +18,8 @@ and leaves fragments. So the rules judge paragraphs instead:
    only in the kept text, so a page that quotes it in a dropped line is not removed; this
    is also where datatrove's C4 filter looks), and fewer than `c4_min_sentences` sentences.
 On text whose lines are its paragraphs (the crawl case) every paragraph is one line and the
-decisions are C4's; the tests hold them to datatrove's C4 filter there.
+decisions are C4's (the tests hold them to datatrove's C4 filter), but for a line as long
+as the wrap width without terminal punctuation: it is judged with the line after it.
 
 Kept lines keep their indentation and the blank lines between kept paragraphs stay, so the
 paragraph boundaries the packer cuts at survive cleaning.
