@@ -5,6 +5,7 @@ logits, greedy continuations and tokenizer ids against transformers itself."""
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -237,6 +238,7 @@ def test_init_from_checks_the_hf_config_and_the_tokenizer(trained, tmp_path):
   tmp, cfg, out = trained
   config = config_lib.load(str(tmp / "cfg.yaml"), [f"init.from={tmp_path / 'hf'}"])
   shutil.copytree(out, tmp_path / "hf")
+  (tmp_path / "hf" / "maxlm-export.json").unlink()  # as a folder from elsewhere: edits count
   with pytest.raises(MaxlmError, match="tokenizer differs from this data dir's"):
     load.open_source(config, source_vocab(cfg), b"another tokenizer", log=quiet)
   hf = json.loads((out / "config.json").read_text())
@@ -279,7 +281,7 @@ def test_export_refuses_what_it_cannot_do(trained, tmp_path, monkeypatch):
   with pytest.raises(MaxlmError, match="exists and is not empty.*--overwrite"):
     export.export(cfg.run_dir, str(out), log=quiet)
   for holder in (cfg.run_dir, tmp):  # --overwrite must never replace the run itself
-    with pytest.raises(MaxlmError, match="holds the run dir"):
+    with pytest.raises(MaxlmError, match="(is|holds) the run dir"):
       export.export(cfg.run_dir, str(holder), overwrite=True, log=quiet)
   with pytest.raises(MaxlmError, match="has no checkpoint 5; it has 3, 4, 6"):
     export.export(cfg.run_dir, str(tmp_path / "x"), step=5, log=quiet)
@@ -299,6 +301,115 @@ def test_export_refuses_what_it_cannot_do(trained, tmp_path, monkeypatch):
   (stale / "sub").mkdir(parents=True)
   export.export(cfg.run_dir, str(tmp_path / "y"), with_tokenizer=False, log=quiet)
   assert not stale.exists() and (tmp_path / "y" / "config.json").exists()
+
+
+def _tree(folder):
+  return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))
+
+
+def test_export_never_replaces_what_is_not_a_previous_export(trained, tmp_path):
+  """--overwrite replaces an export and nothing else: not the run's checkpoints (through `..`
+  or a symlink), another run dir, a data dir, a user's folder or file."""
+  tmp, cfg, out = trained
+  run = pathlib.Path(cfg.run_dir)
+  other = tmp_path / "other_run"
+  (other / "checkpoints").mkdir(parents=True)
+  (other / "config.yaml").write_text("seed: 0\n")
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("keep me")
+  (tmp_path / "file").write_text("keep me")
+  (tmp_path / "link").symlink_to(run / "checkpoints")
+  before = {p: _tree(p) for p in (run, other, mine, pathlib.Path(cfg.data.dir))}
+  cases = [(run / "checkpoints", "lies inside the run dir"),
+           (tmp_path / ".." / tmp_path.name / "link", "lies inside the run dir"),
+           (f"{run}/checkpoints/../checkpoints/new", "lies inside the run dir"),
+           (other, "is the run dir"), (other / "checkpoints", "lies inside the run dir"),
+           (cfg.data.dir, "is the data dir"), (f"{cfg.data.dir}/hf", "lies inside the data dir"),
+           (mine, "is not a previous export of maxlm .it holds 'notes.txt'."),
+           (tmp_path / "file", "is a file")]
+  for target, message in cases:
+    with pytest.raises(MaxlmError, match=message):
+      export.export(cfg.run_dir, str(target), overwrite=True, with_tokenizer=False, log=quiet)
+  assert {p: _tree(p) for p in before} == before
+  assert (tmp_path / "file").read_text() == "keep me"
+  again = tmp_path / "again"  # a previous export is replaced, and only with --overwrite
+  export.export(cfg.run_dir, str(again), step=3, with_tokenizer=False, log=quiet)
+  with pytest.raises(MaxlmError, match="exists and is not empty"):
+    export.export(cfg.run_dir, str(again), with_tokenizer=False, log=quiet)
+  export.export(cfg.run_dir, str(again), overwrite=True, with_tokenizer=False, log=quiet)
+  assert json.loads((again / "config.json").read_text())["maxlm"]["global_step"] == 6
+  listed = json.loads((again / "maxlm-export.json").read_text())["files"]
+  assert sorted(listed) == sorted(p.name for p in again.iterdir() if p.name != "maxlm-export.json")
+  (again / "extra.txt").write_text("mine now")  # no longer only an export: kept
+  with pytest.raises(MaxlmError, match="holds 'extra.txt'"):
+    export.export(cfg.run_dir, str(again), overwrite=True, with_tokenizer=False, log=quiet)
+  assert (again / "extra.txt").exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "file", "link", "mine",
+                                                         "other_run"]
+
+
+def test_export_on_a_full_disk_writes_nothing(trained, tmp_path, monkeypatch):
+  """ENOSPC midway through the weights: one line naming --out, no folder, no temporary."""
+  tmp, cfg, out = trained
+  calls = []
+
+  def full(tensors, path, metadata=None):
+    calls.append(path)
+    with open(path, "wb") as f:
+      f.write(b"half a file")
+    if len(calls) == 2:
+      raise OSError(28, "No space left on device", path)
+  monkeypatch.setattr(export, "save_file", full)
+  target = tmp_path / "hf"
+  with pytest.raises(MaxlmError, match=r"--out .*hf: cannot write the export \(No space left "
+                                       r"on device: .*\); nothing was written there"):
+    export.export(cfg.run_dir, str(target), shard_bytes=100_000, log=quiet)
+  assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+  from safetensors import SafetensorError  # how safetensors itself reports it
+
+  def full_rust(tensors, path, metadata=None):
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os "
+                          "error 28)")
+  monkeypatch.setattr(export, "save_file", full_rust)
+  with pytest.raises(MaxlmError, match=r"os error 28\)\); nothing was written there"):
+    export.export(cfg.run_dir, str(target), overwrite=True, log=quiet)
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_init_from_checks_export_digests_and_refuses_non_finite_weights(trained, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  tmp, cfg, out = trained
+  hf = tmp_path / "hf"
+  shutil.copytree(out, hf)
+  config = config_lib.load(str(tmp / "cfg.yaml"), [f"init.from={hf}"])
+  shard = sorted(hf.glob("model-*.safetensors"))[1]
+  data = bytearray(shard.read_bytes())
+  data[len(data) // 2] ^= 1  # one bit of one weight: still a valid file, other numbers
+  shard.write_bytes(bytes(data))
+  with pytest.raises(MaxlmError, match=f"{shard.name} does not match its XXH3-128 in "
+                                       "maxlm-export.json: damaged or edited after maxlm export"):
+    load.open_source(config, source_vocab(cfg), None, log=quiet)
+  shard.write_bytes(shard.read_bytes()[:-8])
+  with pytest.raises(MaxlmError, match=f"{shard.name} has {len(data) - 8} bytes where "
+                                       f"maxlm-export.json lists {len(data)}"):
+    load.open_source(config, source_vocab(cfg), None, log=quiet)
+  shutil.copy(out / shard.name, shard)
+  (hf / "maxlm-export.json").write_text("{")
+  with pytest.raises(MaxlmError, match="maxlm-export.json unreadable"):
+    load.open_source(config, source_vocab(cfg), None, log=quiet)
+  (hf / "maxlm-export.json").unlink()  # a folder from elsewhere: read, with a note
+  tensors = load_file(shard)
+  name = sorted(tensors)[0]
+  tensors[name].flat[3] = np.inf
+  save_file(tensors, shard, metadata={"format": "pt"})
+  notes = []
+  source = load.open_source(config, source_vocab(cfg), None, log=notes.append)
+  assert any("no maxlm-export.json (not written by maxlm export)" in n for n in notes)
+  with pytest.raises(MaxlmError, match=f"tensor {re.escape(name)} holds 1 NaN or infinite "
+                                       "values"):
+    for n in source.names:
+      source.get(n)
 
 
 def test_export_command(trained, tmp_path):

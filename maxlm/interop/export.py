@@ -2,8 +2,11 @@
 
 The folder holds config.json, generation_config.json, the weights as safetensors and the
 tokenizer files, and loads with `AutoModelForCausalLM.from_pretrained(DIR)` and
-`AutoTokenizer.from_pretrained(DIR)` without maxlm. It is written into a temporary sibling and
-renamed into place once complete, so an interrupted export leaves no half folder at DIR.
+`AutoTokenizer.from_pretrained(DIR)` without maxlm; `maxlm-export.json` lists every file's
+XXH3-128, which `init.from` checks. It is written into a temporary sibling and renamed into
+place once complete, so an interrupted export (or a full disk) leaves no half folder at DIR.
+DIR is never a run dir, a data dir or inside one, and `--overwrite` replaces only a previous
+export (maxlm/outputs.py).
 
 Memory: tensors are streamed. `RunCheckpoint` reads one parameter at a time (never the whole
 state, whatever mesh or host count wrote it), and a shard holds at most `shard_bytes` of
@@ -16,14 +19,17 @@ them.
 
 import json
 import os
+import re
 import shutil
 import time
 
 import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy, which safetensors then writes)
 import numpy as np
+import xxhash
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-from maxlm import MaxlmError, io
+from maxlm import MaxlmError, io, outputs
 from maxlm.data import tokenizer as tok_lib
 from maxlm.interop import hf_config, layout, run_reader, tokenizer
 
@@ -37,33 +43,27 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   t0 = time.perf_counter()
   if not io.is_local(out):
     raise MaxlmError(f"--out {out}: export writes a local folder (copy it up afterwards)")
-  target = os.path.realpath(out)
-  if io.is_local(run_dir) and (os.path.realpath(run_dir) + os.sep).startswith(target + os.sep):
-    raise MaxlmError(f"--out {out} holds the run dir {run_dir}: export to another folder")
-  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-    raise MaxlmError(f"--out {out} exists and is not empty: choose another folder, or pass "
-                     "--overwrite to replace it once the export is complete")
   if dtype not in DTYPES:
     raise MaxlmError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+  _check_out(out, overwrite, run_dir)  # before any reading, then again with the data dir
   source = run_reader.RunCheckpoint(run_dir, step, log=log)
-  config, meta = source.config, source.meta
+  config = source.config
+  target = _check_out(out, overwrite, run_dir, config.data.dir)
   special, proto = _tokenizer(config, with_tokenizer)
-  hf = hf_config.llama_config(config, meta, source.vocab, special, dtype)
-  tmp = f"{os.path.abspath(out).rstrip('/')}.tmp-{os.getpid()}"
-  _remove_stale(out)
-  os.makedirs(tmp)
+  hf = hf_config.llama_config(config, source.meta, source.vocab, special, dtype)
+  tmp = f"{target}.tmp-{os.getpid()}"
+  _remove_stale(target, log)
   try:
-    files, total = write_model(tmp, hf, special, source, dtype, shard_bytes)
-    if proto is not None:
-      tokenizer.write(tmp, proto, special, hf["max_position_embeddings"])
-    if os.path.exists(out) and (os.listdir(out) if os.path.isdir(out) else True):
-      if not overwrite:
-        raise MaxlmError(f"--out {out} appeared while exporting (another export?); this one "
-                         "is not written: choose another folder")
-      shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
-    elif os.path.isdir(out):
-      os.rmdir(out)
-    os.rename(tmp, out)
+    try:
+      os.makedirs(tmp)
+      files, total = write_model(tmp, hf, special, source, dtype, shard_bytes)
+      if proto is not None:
+        tokenizer.write(tmp, proto, special, hf["max_position_embeddings"])
+      write_digests(tmp, {"run_dir": os.path.abspath(run_dir), "step": source.step})
+    except (OSError, SafetensorError) as e:
+      raise MaxlmError(f"--out {out}: cannot write the export ({_why(e)}); nothing was "
+                       "written there: free space or choose another folder") from None
+    _put_in_place(tmp, target, out, overwrite)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   if source.unverified:
@@ -74,13 +74,72 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
           "seconds": time.perf_counter() - t0}
 
 
-def _remove_stale(out):
-  """Removes the temporary folders of exports to `out` whose process is gone (killed)."""
-  parent, name = os.path.split(os.path.abspath(out).rstrip("/"))
-  for entry in os.listdir(parent) if os.path.isdir(parent) else ():
-    pid = entry[len(name) + len(".tmp-"):]
-    if entry.startswith(name + ".tmp-") and pid.isdigit() and not io.process_alive(int(pid)):
-      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+def _check_out(out, overwrite, run_dir, data_dir=None):
+  """The resolved --out, once it is known to hold nothing but a previous export (see
+  maxlm/outputs.py); the run dir and data dir are never an export's place."""
+  inputs = [(name, path) for name, path in (("the run dir", run_dir), ("the data dir", data_dir))
+            if path and io.is_local(path)]
+  return outputs.check_output("--out", out, outputs.EXPORT, inputs, overwrite)
+
+
+def _why(e):
+  text = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
+  return f"{text}: {e.filename}" if getattr(e, "filename", None) else text
+
+
+def _put_in_place(tmp, target, out, overwrite):
+  """Renames the complete export to `target`; an old export there is moved aside first and
+  deleted after, so a failure at any point leaves one whole folder."""
+  if os.path.isdir(target) and os.listdir(target):
+    if not overwrite or outputs.kind_of(target) != outputs.EXPORT:  # appeared meanwhile
+      raise MaxlmError(f"--out {out} was filled while exporting (another export?); this one "
+                       "is not written: choose another folder")
+    aside = f"{target}.old-{os.getpid()}"
+    os.rename(target, aside)
+    try:
+      os.rename(tmp, target)
+    except OSError:
+      os.rename(aside, target)
+      raise
+    shutil.rmtree(aside, ignore_errors=True)
+    return
+  if os.path.isdir(target):
+    os.rmdir(target)
+  os.rename(tmp, target)
+
+
+def _remove_stale(target, log):
+  """Cleans what exports to `target` killed midway left: a temporary folder is removed, an old
+  export moved aside is put back if nothing replaced it."""
+  parent, name = os.path.split(target)
+  for entry in sorted(os.listdir(parent)) if os.path.isdir(parent) else ():
+    found = re.fullmatch(re.escape(name) + r"\.(tmp|old)-(\d+)", entry)
+    if not found or io.process_alive(int(found[2])):
+      continue
+    path = os.path.join(parent, entry)
+    if found[1] == "old" and not os.path.exists(target):
+      os.rename(path, target)
+      log(f"restored {target} from {path}, left by an interrupted maxlm export")
+    elif found[1] == "tmp" or outputs.kind_of(path) == outputs.EXPORT:
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def write_digests(folder, origin):
+  """maxlm-export.json: every file's size and XXH3-128, which `init.from` checks before it
+  reads a tensor (written last: a folder without it is not a whole export)."""
+  files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                  "xxh3_128": file_digest(os.path.join(folder, name))}
+           for name in sorted(os.listdir(folder))}
+  _dump(os.path.join(folder, outputs.EXPORT_DIGESTS),
+        {"format": 1, "origin": origin, "files": files})
+
+
+def file_digest(path, chunk=1 << 24):
+  digest = xxhash.xxh3_128()
+  with open(path, "rb") as f:
+    while block := f.read(chunk):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 def _tokenizer(config, with_tokenizer):

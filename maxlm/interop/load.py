@@ -10,7 +10,9 @@ where its source stopped.
 
 Checked before anything compiles, each as one line: the path exists and is one of the kinds
 above, its shapes and vocabulary are this model's (named by the model key to change), its
-tokenizer is this data dir's (where both are known). A checkpoint already in run_dir wins over
+tokenizer is this data dir's (where both are known). A folder `maxlm export` wrote is checked
+against its maxlm-export.json (every file's XXH3-128) before a tensor is read; any other HF
+folder is read with a note; NaN or infinite weights are refused either way. A checkpoint already in run_dir wins over
 init.from (that is a resume), and the loop says so. Where the parameters came from is kept in
 every checkpoint's metadata (`init_from`) and logged.
 """
@@ -26,8 +28,8 @@ import ml_dtypes  # noqa: F401 (lets safetensors' numpy reader return bfloat16 t
 import numpy as np
 from safetensors import safe_open
 
-from maxlm import MaxlmError, io
-from maxlm.interop import hf_config, layout, run_reader
+from maxlm import MaxlmError, io, outputs
+from maxlm.interop import export, hf_config, layout, run_reader
 
 _MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
                "tied_embeddings")
@@ -136,6 +138,7 @@ def _from_run(path, step, cfg, where, log):
 
 def _from_hf(path, cfg, where, log):
   folder = HfFolder(path)
+  _check_digests(path, where, log)
   for note in hf_config.check_llama(folder.hf, cfg, where):
     log(f"note: {where}: {note}")
   shapes = layout.hf_shapes(cfg)
@@ -150,12 +153,41 @@ def _from_hf(path, cfg, where, log):
   return Source(_checked(folder.get, shapes, where), list(shapes), record, tokenizer)
 
 
+def _check_digests(path, where, log):
+  """Every file maxlm-export.json lists has its size and XXH3-128 (a damaged or edited export
+  is refused); a folder without it (not made by maxlm export) is read with a note."""
+  listing = os.path.join(path, outputs.EXPORT_DIGESTS)
+  if not os.path.exists(listing):
+    log(f"note: {where}: no {outputs.EXPORT_DIGESTS} (not written by maxlm export), so its "
+        "files are not checked against digests; non-finite weights are still refused")
+    return
+  try:
+    with open(listing) as f:
+      files = json.load(f)["files"]
+    wanted = {str(n): (int(e["bytes"]), str(e["xxh3_128"])) for n, e in files.items()}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise MaxlmError(f"{where}: {outputs.EXPORT_DIGESTS} unreadable ({type(e).__name__}: "
+                     f"{e}); export the run again") from None
+  for name, (size, digest) in sorted(wanted.items()):
+    file = os.path.join(path, os.path.basename(name))
+    found = os.path.getsize(file) if os.path.isfile(file) else None
+    if found is None or found != size or export.file_digest(file) != digest:
+      what = "is missing" if found is None else (
+          f"has {found} bytes where {outputs.EXPORT_DIGESTS} lists {size}" if found != size
+          else f"does not match its XXH3-128 in {outputs.EXPORT_DIGESTS}")
+      raise MaxlmError(f"{where}: {name} {what}: damaged or edited after maxlm export; export "
+                       "the run again")
+
+
 def _checked(get, shapes, where):
   def read(name):
     array = get(name)
     if tuple(array.shape) != tuple(shapes[name]):
       raise MaxlmError(f"{where}: tensor {name} has shape {list(array.shape)}, this model "
                        f"needs {list(shapes[name])}")
+    if not np.isfinite(array).all():
+      raise MaxlmError(f"{where}: tensor {name} holds {int((~np.isfinite(array)).sum())} NaN "
+                       "or infinite values: the weights are damaged")
     return array
   return read
 

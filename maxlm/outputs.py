@@ -1,0 +1,100 @@
+"""What a local folder is (a run dir, a data dir, an export) and the check that an output path
+lands on nothing the user needs.
+
+Folders are recognised by their markers, never by their names:
+  run dir   config.yaml with checkpoints/, metrics.jsonl or lease.json beside it
+  data dir  manifest.json, index.json or tokens-00000.bin (what `maxlm prepare` writes)
+  export    maxlm-export.json (the digests `maxlm export` writes), or for exports made before
+            it, config.json with a "maxlm" section beside generation_config.json; and nothing
+            in the folder but the files an export writes
+
+`check_output` resolves the path through symlinks and `..` first, so `RUN/../RUN/checkpoints`
+or a link to a data dir is what it points at. It refuses (one line) an output that is an input
+of the same command, holds one, or lies inside a run dir or data dir; and an existing non-empty
+folder unless `overwrite` is given and the folder is of the kind the command writes, so
+`--overwrite` replaces a previous output of the same command and nothing else.
+"""
+
+import json
+import os
+import re
+
+from maxlm import MaxlmError
+
+RUN_DIR, DATA_DIR, EXPORT = "run dir", "data dir", "export"
+EXPORT_DIGESTS = "maxlm-export.json"
+_EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\."
+                           r"safetensors|model\.safetensors\.index\.json|tokenizer\.model|"
+                           r"tokenizer_config\.json|special_tokens_map\.json|"
+                           + re.escape(EXPORT_DIGESTS))
+
+
+def kind_of(folder):
+  """RUN_DIR, DATA_DIR, EXPORT or None for an existing local folder."""
+  if not os.path.isdir(folder):
+    return None
+  has = lambda name: os.path.exists(os.path.join(folder, name))  # noqa: E731
+  if has("config.yaml") and (has("checkpoints") or has("metrics.jsonl") or has("lease.json")):
+    return RUN_DIR
+  if has("manifest.json") or has("index.json") or has("tokens-00000.bin"):
+    return DATA_DIR
+  if (has(EXPORT_DIGESTS) or _old_export(folder)) and all(
+      _EXPORT_FILES.fullmatch(n) for n in os.listdir(folder)):
+    return EXPORT
+  return None
+
+
+def _old_export(folder):
+  try:
+    with open(os.path.join(folder, "config.json")) as f:
+      return "maxlm" in json.load(f) and os.path.exists(
+          os.path.join(folder, "generation_config.json"))
+  except (OSError, ValueError, TypeError):
+    return False
+
+
+def enclosing(path):
+  """(folder, kind) of the nearest run dir or data dir that is `path` or holds it, else None."""
+  here = os.path.realpath(path)
+  while True:
+    kind = kind_of(here)
+    if kind in (RUN_DIR, DATA_DIR):
+      return here, kind
+    if os.path.dirname(here) == here:
+      return None
+    here = os.path.dirname(here)
+
+
+def _inside(path, folder):
+  return os.path.commonpath([path, folder]) == folder
+
+
+def check_output(flag, out, kind, inputs=(), overwrite=False):
+  """Refuses `out` (given as `flag`) unless writing a `kind` folder there loses nothing; returns
+  its resolved path. `inputs`: (name, path) the same command reads."""
+  real = os.path.realpath(out)
+  for name, given in inputs:
+    source = os.path.realpath(given)
+    how = ("is" if real == source else "lies inside" if _inside(real, source) else
+           "holds" if _inside(source, real) else None)
+    if how:
+      raise MaxlmError(f"{flag} {out} {how} {name} {given}, which this command reads: write "
+                       "elsewhere")
+  found = enclosing(real)
+  if found and not (found[0] == real and found[1] == kind):
+    where = "is" if found[0] == real else "lies inside"
+    raise MaxlmError(f"{flag} {out} {where} the {found[1]} {found[0]}: refusing to write "
+                     "there; choose a folder outside any run dir or data dir")
+  if os.path.lexists(real) and not os.path.isdir(real):
+    raise MaxlmError(f"{flag} {out} is a file, not a folder: choose another path")
+  if os.path.isdir(real) and os.listdir(real):
+    if not overwrite:
+      raise MaxlmError(f"{flag} {out} exists and is not empty: choose another folder, or pass "
+                       f"--overwrite to replace it (only a previous {kind}) once the new one is "
+                       "complete")
+    if kind_of(real) != kind:
+      names = sorted(os.listdir(real))
+      odd = [n for n in names if kind != EXPORT or not _EXPORT_FILES.fullmatch(n)] or names
+      raise MaxlmError(f"{flag} {out} is not a previous {kind} of maxlm (it holds {odd[0]!r}): "
+                       "--overwrite replaces only that; choose a new or empty folder")
+  return real
