@@ -182,16 +182,19 @@ def test_snapshot_survives_json_and_a_fresh_planner_plans_only_from_it():
 
 
 def test_a_snapshot_of_another_plan_version_is_refused():
+  assert plan.VERSION == 3
   with pytest.raises(MaxlmError, match="checkpoint 40 was planned with data plan v1; this "
-                                       r"maxlm \(.*\) plans v2.*start over"):
+                                       r"maxlm \(.*\) plans v3.*start over"):
     plan.check_resume({"stage": 0, "block": 1, "pools": [], "taken": [], "largest": 1}, 40)
   with pytest.raises(MaxlmError, match="data plan v1"):
     plan.check_resume(None, 40)
+  with pytest.raises(MaxlmError, match="checkpoint 7 was planned with data plan v2; .* plans v3"):
+    plan.check_resume({"version": 2}, 7)
   plan.check_resume({"version": plan.VERSION}, 40)
   planner = plan.Planner(datagen.MemoryStore(datagen.make_docs([10] * 4)).index,
                          datagen.make_config([{"seq_len": 32, "batch": 2, "steps": 2}]))
-  with pytest.raises(MaxlmError, match="v1 cannot seed plan v2"):
-    planner.seed_snapshot(plan.Snapshot(0, 0, [], [], 1, version=1))
+  with pytest.raises(MaxlmError, match="v2 cannot seed plan v3"):
+    planner.seed_snapshot(plan.Snapshot(0, 0, [], [], 1, version=2))
 
 
 def test_the_planner_holds_no_per_document_state():

@@ -110,19 +110,23 @@ def test_decoding_pieces_in_order_reconstructs_each_text(prepared, L, overlap, f
   cfg = datagen.make_config([{"seq_len": L, "batch": 4, "steps": steps}],
                             {"overlap": overlap, "fim": {"rate": fim_rate}})
   planner = plan.Planner(index, cfg)
-  pieces = {}
+  pieces = {}  # per document, its pieces in packing order (an epoch's before the next's)
   for b in range(planner.num_blocks(0)):
     blk = planner.block(0, b)
-    for k in range(len(blk.doc)):
-      pieces.setdefault(int(blk.doc[k]), []).append((int(blk.start[k]), int(blk.end[k])))
+    for r in np.argsort(blk.order):
+      for k in range(blk.row_ptr[r], blk.row_ptr[r + 1]):
+        pieces.setdefault(int(blk.doc[k]), []).append((int(blk.start[k]), int(blk.end[k])))
   assert set(pieces) == set(np.flatnonzero(index.split == store.TRAIN).tolist())
   for doc, spans in pieces.items():
     first_epoch, covered = [], 0
-    for a, b in sorted(spans):
-      if a == covered:
-        first_epoch.append((a, b))
-        covered = b
+    for a, b in spans:
+      if covered == index.length[doc]:
+        break
+      first_epoch.append((a, b))
+      covered += b - a
+    first_epoch.sort()
     assert covered == index.length[doc]
+    assert [a for a, _ in first_epoch] == [0] + [b for _, b in first_epoch[:-1]], "they tile"
     body = np.concatenate([tokens.read(doc, a, b) for a, b in first_epoch])
     assert (body == tokens.document(doc)).all()
     if not index.is_chat[doc]:

@@ -3,13 +3,21 @@
 A piece's segment is [BOS if it starts the document] + context + body + [EOS if it ends it]
 (+3 FIM markers when FIM may apply) and must fit `capacity` = L + 1 tokens, since a segment of
 n tokens fills n - 1 positions. The body ends at the last section boundary that keeps at least
-`min_cut` of the room, else the last paragraph boundary, else wherever the room ends. The next
-piece carries the `overlap` tokens before its start as loss-masked context.
+`min_cut` of the room, else the last paragraph boundary, else the coarsest fine boundary (line,
+sentence, word: sections.py) within `slack` tokens of where the room ends, else the last fine
+boundary that keeps `min_cut`, else (a cut inside a word, the last resort) where the room ends.
+The next piece carries the `overlap` tokens before its start as loss-masked context.
+
+`fill_end` is the cut the planner makes to fill the end of a row (fill.py): the coarsest
+boundary of any level within `slack` tokens of where the room ends, else the nearest within 4
+`slack`, else inside a word.
 """
 
 import numpy as np
 
 FIM_MARKERS = 3
+COARSE = (2, 1)  # section, paragraph (sections.py)
+FINE = (-1, -2, -3)  # line, sentence, word
 
 
 def positions(bos, ctx, body, eos, fim):
@@ -17,7 +25,12 @@ def positions(bos, ctx, body, eos, fim):
   return bos + ctx + body + eos + FIM_MARKERS * (fim > 0) - 1
 
 
-def cut(length, start, end, bound_pos, bound_level, capacity, overlap, min_cut):
+def slack(seq_len):
+  """Tokens a cut may fall short of the room's end to land on a fine boundary."""
+  return max(16, seq_len // 256)
+
+
+def cut(length, start, end, bound_pos, bound_level, capacity, overlap, min_cut, slack=0):
   """[(start, end, ctx)] covering [start, end) of a document of `length` tokens."""
   pieces, pos = [], start
   while pos < end:
@@ -29,18 +42,40 @@ def cut(length, start, end, bound_pos, bound_level, capacity, overlap, min_cut):
       break
     limit = min(pos + room, end - 1) if eos else min(pos + room, end)
     lowest = pos + max(1, int(np.ceil(min_cut * room)))
-    pieces.append((pos, _best_cut(pos, limit, lowest, bound_pos, bound_level), ctx))
+    pieces.append((pos, _best_cut(pos, limit, lowest, bound_pos, bound_level, slack), ctx))
     pos = pieces[-1][1]
   return pieces
 
 
-def _best_cut(pos, limit, lowest, bound_pos, bound_level):
-  a = np.searchsorted(bound_pos, max(lowest, pos + 1), "left")
-  b = np.searchsorted(bound_pos, limit, "right")
-  if b > a:
-    levels = bound_level[a:b]
-    for level in (2, 1):
-      hits = np.flatnonzero(levels == level)
-      if len(hits):
-        return int(bound_pos[a + hits[-1]])
-  return limit
+def fill_end(pos, limit, bound_pos, bound_level, slack):
+  """(end, level) of a piece from `pos` that should end as near `limit` as it can: the coarsest
+  boundary in [limit - slack, limit] (the latest of its level), else the latest boundary in
+  [limit - 4 slack, limit], else (limit, None): inside a word."""
+  a, b = _between(bound_pos, max(pos + 1, limit - 4 * slack), limit)
+  if b == a:
+    return limit, None
+  a = max(a, int(np.searchsorted(bound_pos[a:b], limit - slack, "left")) + a)
+  if b == a:
+    return int(bound_pos[b - 1]), int(bound_level[b - 1])
+  levels = bound_level[a:b]
+  best = int(levels.max())
+  k = a + int(np.flatnonzero(levels == best)[-1])
+  return int(bound_pos[k]), best
+
+
+def _between(bound_pos, lo, hi):
+  return (int(np.searchsorted(bound_pos, lo, "left")),
+          int(np.searchsorted(bound_pos, hi, "right")))
+
+
+def _best_cut(pos, limit, lowest, bound_pos, bound_level, slack):
+  a, b = _between(bound_pos, max(lowest, pos + 1), limit)
+  levels = bound_level[a:b]
+  for level in COARSE:
+    hits = np.flatnonzero(levels == level)
+    if len(hits):
+      return int(bound_pos[a + hits[-1]])
+  end, level = fill_end(pos, limit, bound_pos, bound_level, slack)
+  if level is None and b > a:
+    return int(bound_pos[b - 1])  # a fine boundary short of the slack beats a cut in a word
+  return end

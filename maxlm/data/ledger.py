@@ -1,9 +1,11 @@
 """The ledger: exact token accounting per stage and source, computed from the plan alone.
 
 Per source: pieces, body tokens, marker tokens (BOS, EOS, FIM), context (overlap) tokens read
-twice, row positions, loss positions, unique documents, and exposure (body tokens consumed over
-the source's training tokens: 1.0 is one epoch). Per stage: rows, positions, padding. The rules
-match `assemble` exactly; a test checks the ledger against the assembled batches.
+twice, row positions, loss positions, unique documents, pieces cut inside a word (ending before
+their document at no boundary the index records: the planner's last resort, chunk.py), and
+exposure (body tokens consumed over the source's training tokens: 1.0 is one epoch). Per stage:
+rows, positions, padding. The rules match `assemble` exactly; a test checks the ledger against
+the assembled batches.
 """
 
 import numpy as np
@@ -11,7 +13,7 @@ import numpy as np
 from maxlm.data import chunk, fim
 
 FIELDS = ("pieces", "body", "bos", "eos", "fim_markers", "context", "positions", "loss",
-          "documents", "pairs", "prompt", "answer")
+          "documents", "in_word", "pairs", "prompt", "answer")
 # pairs: preference pairs (pairs.py); prompt: their prompt tokens as the rows hold them (twice a
 # pair, once per segment); answer: their chosen and rejected tokens (EOS not included).
 PAIR_COLUMNS = ("pairs", "prompt", "answer")
@@ -35,8 +37,28 @@ def piece_counts(index, block):
   positions[pair] = body[pair] + prompt[pair] + 2
   loss[pair] = body[pair] - prompt[pair] + 2
   return {"body": body, "bos": bos, "eos": eos, "fim_markers": fim_markers, "context": ctx,
-          "positions": positions, "loss": loss, "pairs": pair.astype(np.int64),
-          "prompt": 2 * prompt, "answer": np.where(pair, body - prompt, 0)}
+          "positions": positions, "loss": loss, "in_word": in_word(index, block),
+          "pairs": pair.astype(np.int64), "prompt": 2 * prompt,
+          "answer": np.where(pair, body - prompt, 0)}
+
+
+def in_word(index, block):
+  """Per piece, 1 where it ends before its document does at no recorded boundary."""
+  doc, end = block.doc.astype(np.int64), block.end.astype(np.int64)
+  out = (end < index.length[doc]).astype(np.int64)
+  cut = np.flatnonzero(out)
+  if not len(cut) or not len(index.bound_pos):
+    return out
+  end, first = end[cut], index.bound_ptr[doc[cut]].astype(np.int64)
+  lo, hi = first.copy(), index.bound_ptr[doc[cut] + 1].astype(np.int64)
+  last = len(index.bound_pos) - 1
+  while (open_ := lo < hi).any():  # per piece, the first recorded boundary >= its end
+    mid = (lo + hi) // 2
+    right = open_ & (index.bound_pos[np.minimum(mid, last)] < end)
+    lo, hi = np.where(right, mid + 1, lo), np.where(open_ & ~right, mid, hi)
+  at = (lo < index.bound_ptr[doc[cut] + 1]) & (index.bound_pos[np.minimum(lo, last)] == end)
+  out[cut[at]] = 0
+  return out
 
 
 def chat_masked_targets(index, doc, start, end, ctx, eos):
@@ -106,7 +128,7 @@ def ledger(planner):
 def format_table(led, names=None):
   """A human-readable ledger, one line per stage and source."""
   cols = ("pieces", "body", "bos", "eos", "fim_markers", "context", "loss", "documents",
-          "exposure")
+          "in_word", "exposure")
   if any(e.get("pairs") for st in led["stages"] for e in st["sources"].values()):
     cols += PAIR_COLUMNS
   head = f"{'stage':>5} {'L':>6} {'source':<12}" + "".join(f"{c:>12}" for c in cols)

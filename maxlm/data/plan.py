@@ -11,7 +11,8 @@ Per stage the planner
   2. cuts documents that do not fit (see `chunk`), the overlap becoming the next piece's context;
   3. fills each row starting with the oldest piece of the source furthest below its token
      quota, then best-fits the rest from each source's lookahead window, in order of deficit,
-     taking a piece only if every source's share stays within one piece of its quota;
+     taking a piece only if every source's share stays within one piece of its quota, and
+     when nothing waiting fits, cuts a long document's waiting piece to fill the room (`fill`);
   4. decides FIM per piece by hash (see `fim`);
   5. shuffles rows within windows of `data.shuffle_rows`.
 Stage s starts from the pool cursors where stage s-1 ended. Rows are planned in blocks of
@@ -25,11 +26,10 @@ exists only for the CHUNK positions after the cursor. Positioning without a snap
 plans every row before the target, at the planner's throughput (docs/performance.md).
 
 VERSION names the plan: the same (data, config, stage, step) gives the same batch only under
-the same version. v1 (before the memory-mapped index) drew numpy permutations; v2 draws `permute`'s.
-A checkpoint records its snapshot's version and resumes only under it (`check_resume`).
+the same version. v1 (before the memory-mapped index) drew numpy permutations; v2 draws
+`permute`'s; v3 cuts at fine boundaries and cuts waiting pieces to fill rows (`fill`). A checkpoint records its snapshot's version and resumes only under it (`check_resume`).
 """
 
-import bisect
 import collections
 import copy
 import dataclasses
@@ -37,14 +37,11 @@ import dataclasses
 import numpy as np
 
 from maxlm import MaxlmError, __version__
-from maxlm.data import chunk, fim, pairs, permute
+from maxlm.data import fill
+from maxlm.data.fill import CHUNK, CTX, DOC, END, FIM, POOL, SIZE, START, Pool  # noqa: F401
 
-VERSION = 2
-CHUNK = 4096  # permutation positions evaluated at a time
+VERSION = 3
 KEEP_SNAPSHOTS = 64  # recent block snapshots kept (and every KEEP_SNAPSHOTS-th one for good)
-
-# A piece: (pool, doc, start, end, ctx, fim_mode, positions).
-POOL, DOC, START, END, CTX, FIM, SIZE = range(7)
 
 
 @dataclasses.dataclass
@@ -63,149 +60,6 @@ class Block:
     a, b = self.row_ptr[i], self.row_ptr[i + 1]
     return [(int(self.pool[k]), int(self.doc[k]), int(self.start[k]), int(self.end[k]),
              int(self.ctx[k]), int(self.fim[k])) for k in range(a, b)]
-
-
-class Pool:
-  """One source's documents: its permutation cursor and its lookahead window of pieces."""
-
-  def __init__(self, planner, index):
-    self.p, self.index = planner, index
-    self.docs = planner.index.pool(index)  # a view of the memory-mapped pool_docs
-    self.n = len(self.docs)
-    self.train_tokens = int(planner.index.pool_tokens[index])
-    self.name = planner.index.sources[index]
-    self.fim_ok = planner.fim_sources is None or self.name in planner.fim_sources
-    self.epoch, self.cursor = -1, 0
-    self._keys = (None, None)
-    self._chunk = (None, 0, [], [], [])  # epoch, first position, docs, lengths, FIM modes
-    self.cut_queue = collections.deque()
-    self.window = collections.OrderedDict()  # seq -> piece, in arrival order
-    self.by_size = []  # sorted (positions, -seq)
-    self.seq = 0
-
-  def state(self):
-    return (self.epoch, self.cursor, list(self.cut_queue), list(self.window.values()), self.seq)
-
-  def restore(self, state):
-    self.epoch, self.cursor, cut_queue, window, self.seq = state
-    self.cut_queue = collections.deque(tuple(p) for p in cut_queue)
-    self.window.clear()
-    self.by_size.clear()
-    for piece in window:
-      self._add(tuple(piece))
-
-  def epoch_docs(self, epoch, positions):
-    """The documents at `positions` of the pool's order in `epoch` (an int64 array)."""
-    if self._keys[0] != epoch:
-      self._keys = (epoch, permute.round_keys("pool", self.p.seed, self.name, epoch))
-    return self.docs[permute.permute(self.n, self._keys[1], positions)].astype(np.int64)
-
-  def _epoch_done(self):
-    return self.epoch < 0 or self.cursor >= self.n
-
-  def fill(self):
-    """Tops the window up; an epoch's last pieces leave it before the next epoch's enter."""
-    while len(self.window) < self.p.lookahead:
-      if self.window and not self.cut_queue and self.cursor >= self.n:  # (epoch >= 0 here)
-        break
-      self._add(self._next_piece())
-
-  def head(self):
-    seq, piece = next(iter(self.window.items()))
-    return seq, piece
-
-  def best_fit(self, space):
-    i = bisect.bisect_right(self.by_size, (space, 1)) - 1
-    return (-self.by_size[i][1], self.window[-self.by_size[i][1]]) if i >= 0 else (None, None)
-
-  def take(self, seq):
-    piece = self.window.pop(seq)
-    del self.by_size[bisect.bisect_left(self.by_size, (piece[SIZE], -seq))]
-    return piece
-
-  def refit(self):
-    """Re-cuts carried pieces for a new stage's row length."""
-    runs = []  # maximal runs of back-to-back pieces of one document
-    for piece in self.cut_queue:
-      if runs and runs[-1][-1][DOC] == piece[DOC] and runs[-1][-1][END] == piece[START]:
-        runs[-1].append(piece)
-      else:
-        runs.append([piece])
-    self.cut_queue = collections.deque(
-        p for run in runs for p in self._cut(run[0][DOC], run[0][START], run[-1][END],
-                                             run[0][FIM]))
-    carried = list(self.window.values())
-    self.window.clear()
-    self.by_size.clear()
-    for piece in reversed(carried):
-      if piece[SIZE] <= self.p.seq_len:
-        continue
-      self._pair_fits(piece[DOC], piece[SIZE])
-      self.cut_queue.extendleft(reversed(self._cut(piece[DOC], piece[START], piece[END],
-                                                   piece[FIM])))
-    for piece in carried:
-      if piece[SIZE] <= self.p.seq_len:
-        self._add(piece)
-
-  def _add(self, piece):
-    self.seq += 1
-    self.window[self.seq] = piece
-    bisect.insort(self.by_size, (piece[SIZE], -self.seq))
-
-  def _load_chunk(self, i):
-    """Documents, lengths and FIM modes of positions [i, i + CHUNK) of the current epoch."""
-    docs = self.epoch_docs(self.epoch, np.arange(i, min(i + CHUNK, self.n)))
-    modes = fim.modes(self.p.seed, docs, 0, self.epoch, self.p.fim_rate, self.p.fim_spm)
-    if not self.fim_ok:
-      modes[:] = fim.NONE
-    modes[self.p.index.is_chat[docs] | (self.p.index.pair[docs, 0] > 0)] = fim.NONE
-    self._chunk = (self.epoch, i, docs.tolist(), self.p.index.length[docs].tolist(),
-                   modes.tolist())
-
-  def _next_piece(self):
-    if self.cut_queue:
-      return self.cut_queue.popleft()
-    if self._epoch_done():
-      if not self.n:
-        raise MaxlmError(f"source {self.name!r} has no training documents; drop it from the mix")
-      self.epoch, self.cursor = self.epoch + 1, 0
-    i = self.cursor
-    self.cursor += 1
-    epoch, first, docs, lengths, modes = self._chunk
-    if epoch != self.epoch or not first <= i < first + len(docs):
-      self._load_chunk(i)
-      epoch, first, docs, lengths, modes = self._chunk
-    doc, n, mode = docs[i - first], lengths[i - first], modes[i - first]
-    p, _ = self.p.index.pair_of(doc)
-    if p:  # a preference pair: one piece, never cut (pairs.py)
-      return (self.index, doc, 0, n, 0, fim.NONE, self._pair_fits(doc, pairs.positions(n, p)))
-    size = n + 1 + (chunk.FIM_MARKERS if mode else 0)  # BOS + body + EOS, minus one
-    if size <= self.p.seq_len:
-      return (self.index, doc, 0, n, 0, mode, size)
-    self.cut_queue.extend(self._cut(doc, 0, n, mode))
-    return self.cut_queue.popleft()
-
-  def _pair_fits(self, doc, size):
-    if size > self.p.seq_len and self.p.index.pair_of(doc)[0]:
-      raise MaxlmError(f"source {self.name!r}: a preference pair fills {size} row positions, "
-                       f"more than this stage's seq_len={self.p.seq_len}; a pair is never "
-                       "split: raise seq_len, or re-run maxlm prepare with --max-pair-len "
-                       f"{self.p.seq_len}")
-    return size
-
-  def _cut(self, doc, first, last, first_mode):
-    reserve = chunk.FIM_MARKERS if self.fim_ok and self.p.fim_rate > 0 else 0
-    n = int(self.p.index.length[doc])
-    pos, lvl = self.p.index.bounds(doc)
-    pieces = []
-    for start, end, ctx in chunk.cut(n, first, last, pos, lvl, self.p.seq_len + 1 - reserve,
-                                     self.p.overlap, self.p.min_cut):
-      mode = (first_mode if start == first else int(
-          fim.modes(self.p.seed, doc, start, self.epoch, self.p.fim_rate, self.p.fim_spm)))
-      mode = mode if (ctx == 0 and reserve and not self.p.index.is_chat[doc]) else fim.NONE
-      size = chunk.positions(int(start == 0), ctx, end - start, int(end == n), mode)
-      pieces.append((self.index, doc, start, end, ctx, mode, size))
-    return pieces
 
 
 @dataclasses.dataclass
@@ -236,6 +90,7 @@ class Planner:
     d = config.data
     self.index, self.config, self.seed = index, config, config.seed
     self.lookahead, self.overlap, self.min_cut = d.lookahead, d.overlap, d.min_cut
+    self.min_fill = fill.min_fill(d.overlap)
     self.fim_rate, self.fim_spm = d.fim.rate, d.fim.spm
     self.fim_sources = set(d.fim.sources) or None
     self.block_rows, self.shuffle_rows = d.block_rows, d.shuffle_rows
@@ -358,49 +213,10 @@ class Planner:
     return np.array([mix.get(n, 0.0) / total for n in names])
 
   def _plan_block(self, s, b):
-    L, q = self.seq_len, self.quotas[s].tolist()
     first = b * self.block_rows
-    n_rows = min(self.block_rows, self.stage_rows(s) - first)
-    active = [i for i in range(len(self.pools)) if q[i] > 0]
-    taken, largest = self.taken, self.largest
-    for i in active:
-      self.pools[i].fill()
-    rows = []
-    for _ in range(n_rows):
-      row, space = [], L
-      while space > 0:
-        if len(active) == 1:
-          order = active
-        else:
-          total = sum(taken)
-          order = sorted(active, key=lambda i: (taken[i] - q[i] * total, i))
-        for i in order:
-          pool = self.pools[i]
-          seq, piece = pool.head() if not row else pool.best_fit(space)
-          if piece is None:
-            continue
-          body = piece[END] - piece[START]
-          if len(active) == 1 or _worst_share(i, body, taken, q, active) <= max(largest, body):
-            break
-        else:
-          if row:
-            break
-          total = sum(taken)
-          behind = [j for j in order if q[j] * total - taken[j] >= 0]
-          i = min(behind, key=lambda j: _worst_share(j, _body(self.pools[j].head()[1]), taken, q,
-                                                     active))
-          pool = self.pools[i]  # a row always opens: with the least straying head of a source
-          # not ahead of its quota (so no source ever gets more than one piece ahead)
-          seq, piece = pool.head()
-          body = piece[END] - piece[START]
-        pool.take(seq)
-        pool.fill()
-        row.append(piece)
-        taken[i] += body
-        largest = max(largest, body)
-        space -= piece[SIZE]
-      rows.append(row)
-    self.largest = largest
+    rows, self.largest = fill.pack_rows(self.pools, min(self.block_rows, self.stage_rows(s) - first),
+                                        self.seq_len, self.quotas[s].tolist(), self.taken,
+                                        self.largest)
     return self._to_block(s, b, rows)
 
   def _to_block(self, s, b, rows):
@@ -416,14 +232,3 @@ class Planner:
                  doc=cols[:, DOC].astype(np.int32), start=cols[:, START].astype(np.int32),
                  end=cols[:, END].astype(np.int32), ctx=cols[:, CTX].astype(np.int32),
                  fim=cols[:, FIM].astype(np.int8), order=order)
-
-
-
-def _body(piece):
-  return piece[END] - piece[START]
-
-
-def _worst_share(chosen, body, taken, q, active):
-  """The largest |tokens taken - quota share| of any source if `chosen` takes `body` tokens."""
-  total = sum(taken) + body
-  return max(abs(q[i] * total - taken[i] - (body if i == chosen else 0)) for i in active)
