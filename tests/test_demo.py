@@ -32,7 +32,10 @@ def test_ctrl_c_leaves_the_run_resumable(tmp_path, demo_data):
                 "d_ff": 64, "dtype": "float32"},
       "stages": [{"seq_len": 128, "batch": 8, "steps": 400}],
       "train": {"checkpoint_every": 1000, "eval_every": 0}}))
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  # the job pauses after step 2 until the signal reaches it (maxlm/train/pause.py): it cannot
+  # finish before the Ctrl-C lands, however loaded the machine
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+         "MAXLM_PAUSE_AFTER": f"2:{tmp_path / 'never'}"}
   proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(config)], env=env,
                           start_new_session=True, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -41,8 +44,8 @@ def test_ctrl_c_leaves_the_run_resumable(tmp_path, demo_data):
     time.sleep(0.05)
   assert proc.poll() is None, proc.communicate()
   os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-  out, err = proc.communicate(timeout=120)
+  out, err = proc.communicate(timeout=300)
   assert proc.returncode == 2 and "run `maxlm demo` again to resume" in err, err
   steps = sorted(int(p) for p in os.listdir(os.path.join(run_dir, "checkpoints")) if p.isdigit())
   logged = len(metrics.read_jsonl(run_dir))
-  assert steps[-1] == logged and 3 <= logged < 400  # saved where it stopped, before the end
+  assert steps == [logged] == [4]  # saved at the step after the pause, where it stopped

@@ -155,10 +155,16 @@ def test_two_processes_log_the_losses_of_one_and_only_process_0_writes(config, r
     assert got[step]["loss"] == pytest.approx(row["loss"], rel=1e-6, abs=0)
 
 
+def paused_after(step, tmp_path):
+  """Both processes wait after `step` until a stop is agreed or they die (maxlm/train/pause.py),
+  so the job cannot finish before the test's next action lands."""
+  return {"MAXLM_PAUSE_AFTER": f"{step}:{tmp_path / 'never'}"}
+
+
 def test_preemption_of_process_1_saves_one_step_on_both_then_resumes_on_1_then_on_2(
     config, reference, tmp_path):
   run_dir = tmp_path / "run"
-  procs = start(config, run_dir, 2)
+  procs = start(config, run_dir, 2, env=paused_after(1, tmp_path))
   wait_for_step(run_dir, 1, procs)
   procs[1].send_signal(signal.SIGTERM)
   results = finish(procs)
@@ -168,8 +174,9 @@ def test_preemption_of_process_1_saves_one_step_on_both_then_resumes_on_1_then_o
     (line,) = [x for x in out.splitlines() if x.startswith("stopped after step")]
     assert "all 2 processes agreed on" in line
     stops.append(int(line.split()[3]))
+  # both paused after step 1 (call counter 2) when the notice came: the agreed stop is the next
   (step,) = set(stops)
-  assert step < STEPS - 1 and os.path.isdir(run_dir / "checkpoints" / str(step))
+  assert step == 3 and os.path.isdir(run_dir / "checkpoints" / str(step))
   (result,) = train(config, run_dir, 1, "--stop-after", "1")  # 2 -> 1 process
   assert f"resumed from checkpoint {step} " in result[1]
   results = train(config, run_dir, 2)  # 1 -> 2 processes
@@ -180,14 +187,17 @@ def test_preemption_of_process_1_saves_one_step_on_both_then_resumes_on_1_then_o
 def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, reference,
                                                                       tmp_path):
   run_dir = tmp_path / "run"
-  procs = start(config, run_dir, 2, env={"MAXLM_PEER_TIMEOUT": "4"})
-  wait_for_step(run_dir, 1, procs)
+  procs = start(config, run_dir, 2, env={"MAXLM_PEER_TIMEOUT": "4", **paused_after(2, tmp_path)})
+  wait_for_step(run_dir, 2, procs)  # both wait there: the job holds its lease until killed
   holder = json.loads((run_dir / "lease.json").read_text())["pid"]
   for code, _, err in finish(start(config, run_dir, 2)):  # a second job on the same run_dir:
     assert code == 2, err[-2000:]  # both of its processes stop with process 0's one line
     (line,) = [x for x in err.splitlines() if "error" in x]
     assert line.startswith("maxlm train: error: run_dir") and f"in use by pid {holder}" in line
-  wait_for_step(run_dir, 2, procs)
+  assert max(rows(run_dir)) == 2 and all(p.poll() is None for p in procs)
+  while not os.path.isdir(run_dir / "checkpoints" / "2"):  # the save of step 1 has committed
+    assert all(p.poll() is None for p in procs), "a process ended before the kill"
+    time.sleep(0.02)
   procs[1].send_signal(signal.SIGKILL)
   t0 = time.time()
   code, out, err = finish(procs[:1], timeout=60)[0]
@@ -199,7 +209,7 @@ def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, r
   assert "Traceback" not in err and "Terminating process" not in err, err[-2000:]
   assert waited < 4 + 30, waited  # the timeout, one beat, and a loaded machine
   results = train(config, run_dir, 2)
-  assert "resumed from checkpoint" in results[0][1]
+  assert "resumed from checkpoint 2 " in results[0][1]
   assert_same(reference, run_dir)
 
 

@@ -3,11 +3,15 @@
 1. Run the config uninterrupted, in a subprocess, to its last step.
 2. Run it again in another run_dir and SIGKILL it N times, cycling through three moments:
    mid-stage, right after a stage's last step (the boundary), and while an async checkpoint
-   is being written; resume after each kill.
+   is being written; resume after each kill. Each job pauses at the step it is to be killed
+   at (MAXLM_PAUSE_AFTER, maxlm/train/pause.py; during-save: at a later save, should the save
+   in flight be missed), so a kill always lands, however fast the job or loaded the machine.
 3. Resume once more in this process from a run stopped half way, reusing compiled functions
    (skipped with --processes > 1: it is one process by nature).
-   With `corrupt`, the latest checkpoint of the killed run has 64 bytes flipped in its largest
-   file before the last resume: that resume must report it corrupt and fall back.
+   With `corrupt`, the last kill waits until the killed run has a committed checkpoint; one
+   bit of array data in the latest checkpoint is flipped, and the flip is kept only once the
+   checkpoint, read back here, fails its checksums (a flip that makes it unreadable instead is
+   undone and another place tried); the last resume must then report it corrupt and fall back.
 4. Compare step by step the batch fingerprints and losses (every recomputed step too), and at
    the end every parameter and optimizer tensor, bit for bit. Exit 0 only if all are equal.
 
@@ -16,8 +20,10 @@ jax.distributed (MAXLM_COORDINATOR on a free local port; on CPU over gloo, see
 maxlm/parallel/distributed.py), and each kill SIGKILLs all of them at once.
 """
 
+import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -30,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.train import metrics
+from maxlm.train import integrity, metrics
 
 MOMENTS = ("mid-stage", "stage-boundary", "during-save")
 
@@ -44,7 +50,7 @@ class _Job:
   """`maxlm train` as `processes` local processes (one plain process when 1)."""
 
   def __init__(self, config_path, overrides, run_dir, processes, env, **popen):
-    envs = [env]
+    envs = [dict(env)]
     if processes > 1:
       with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,23 +96,39 @@ def _saving(run_dir):
   return os.path.isdir(path) and any("tmp" in name for name in os.listdir(path))
 
 
-def _kill_when(proc, run_dir, moment, after_step, boundaries, timeout=600):
-  """SIGKILLs proc at the moment; returns (the last step logged, what happened)."""
+def _committed(run_dir):
+  """The steps of the committed checkpoints (Orbax renames a save's folder to its step)."""
+  path = os.path.join(run_dir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
+
+
+def kill_step(moment, after, boundaries, saves, need_checkpoint=False):
+  """The global step after which a job resumed past `after` pauses and is killed (during-save:
+  where it pauses should the save in flight be missed); None if no later step fits.
+  need_checkpoint: no earlier than the first save, so that one is committed by then."""
+  later = [s for s in range(after + 2, max(boundaries) + 1) if s not in boundaries]
+  at = {"mid-stage": later[len(later) // 3] if later else None,
+        "stage-boundary": min((b for b in boundaries if b > after), default=None),
+        "during-save": ([s for s in saves if s > after][:2] or [None])[-1]}[moment]
+  if at is not None and need_checkpoint:
+    at = max(at, min(saves))
+  return at
+
+
+def _kill_when(proc, run_dir, moment, after_step, target, need_checkpoint=False,
+               timeout=600):
+  """SIGKILLs proc at the moment (once it has logged `target`, where it pauses; during-save as
+  soon as a save is seen in flight); returns (the last step logged, what happened).
+  need_checkpoint: not before a checkpoint has been committed."""
   end = time.time() + timeout
-  target = None
   while time.time() < end and proc.poll() is None:
     rows = _rows(run_dir)
     last = rows[-1]["step"] if rows else -1
-    if moment == "during-save" and last > after_step and _saving(run_dir):
+    ready = not need_checkpoint or _committed(run_dir)
+    if ready and target is not None and last >= target:
       break
-    if moment == "stage-boundary" and last in boundaries and last > after_step:
+    if ready and moment == "during-save" and last > after_step and _saving(run_dir):
       break
-    if moment == "mid-stage":
-      if target is None and last >= after_step:
-        later = [s for s in range(last + 2, max(boundaries) + 1) if s not in boundaries]
-        target = later[len(later) // 3] if later else None
-      if target is not None and last >= target:
-        break
     time.sleep(0.005)
   if proc.poll() is not None:
     return None, "finished before the kill"
@@ -116,36 +138,77 @@ def _kill_when(proc, run_dir, moment, after_step, boundaries, timeout=600):
   return (rows[-1]["step"] if rows else -1), "killed"
 
 
-def corrupt_latest(run_dir):
-  """Flips 64 bytes in the middle of the largest file of the latest checkpoint's state;
-  returns that checkpoint's step."""
-  root = os.path.join(run_dir, "checkpoints")
-  steps = [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
+def _flip_bit(path, at):
+  with open(path, "r+b") as f:
+    f.seek(at)
+    byte = f.read(1)[0]
+    f.seek(at)
+    f.write(bytes([byte ^ 0x01]))
+
+
+def _plain(key):
+  """A leaf path as keystr writes it for dicts and lists: the state restored without its
+  optax types names `.mu` as `['mu']`."""
+  return re.sub(r"\.(\w+)", r"['\1']", key)
+
+
+def _fails_its_checksums(run_dir, step):
+  """True if checkpoint `step` reads back and an array differs from its digest; False if it
+  reads back intact or cannot be read at all (then a resume would call it unreadable)."""
+  with open(os.path.join(run_dir, "checkpoints", str(step), "meta", "metadata")) as f:
+    want = json.load(f)["integrity"]["arrays"]
+  try:
+    state = _restore_whole(run_dir, step)
+  except Exception:  # noqa: BLE001 (unreadable: the flip hit a node or a frame, not data)
+    return False
+  leaves = {_plain(jax.tree_util.keystr(p)): x
+            for p, x in jax.tree_util.tree_leaves_with_path(state)}
+  for key, digest in want.items():
+    name, _, where = key.partition("@")
+    if integrity._piece_digest(leaves[_plain(name)], where) != digest:  # noqa: SLF001
+      return True
+  return False
+
+
+def corrupt_latest(run_dir, tries=16):
+  """Flips one bit of array data in the latest committed checkpoint so that it provably fails
+  its checksums; returns that checkpoint's step, or raises MaxlmError saying why it could not.
+  Places in the largest data file are tried from the middle outwards; a flip that leaves the
+  checkpoint unreadable (an OCDBT node, a compressed frame's header) or unchanged is undone."""
+  steps = _committed(run_dir)
   if not steps:
-    return None  # nothing saved yet (e.g. --kills 0): nothing to corrupt
-  step = max(steps)
-  files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(root, str(step), "state"))
-           for f in names]
+    raise MaxlmError(f"--corrupt: {run_dir} has no committed checkpoint to corrupt")
+  step = steps[-1]
+  files = [os.path.join(d, f) for d, _, names in
+           os.walk(os.path.join(run_dir, "checkpoints", str(step), "state")) for f in names]
   target = max(files, key=os.path.getsize)
-  with open(target, "r+b") as f:
-    middle = os.path.getsize(target) // 2
-    f.seek(middle)
-    chunk = f.read(64)
-    f.seek(middle)
-    f.write(bytes(b ^ 0x5A for b in chunk))
-  return step
+  size = os.path.getsize(target)
+  if _fails_its_checksums(run_dir, step):
+    raise MaxlmError(f"--corrupt: checkpoint {step} fails its checksums before any flip")
+  places = [size * (2 * i + 1) // (2 ** (n + 1)) for n in range(5) for i in range(2 ** n)]
+  for at in list(dict.fromkeys(places))[:tries]:
+    _flip_bit(target, at)
+    if _fails_its_checksums(run_dir, step):
+      return step
+    _flip_bit(target, at)  # undone: the checkpoint is as it was
+  raise MaxlmError(f"--corrupt: no one-bit flip among {tries} places in {target} made "
+                   f"checkpoint {step} fail its checksums")
+
+
+def _restore_whole(run_dir, step):
+  path = os.path.join(os.path.abspath(run_dir), "checkpoints", str(step), "state")
+  with ocp.StandardCheckpointer() as ckpt:  # whole on one device: any saved topology restores
+    saved = ckpt.metadata(path).item_metadata
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return ckpt.restore(path, jax.tree_util.tree_map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved))
 
 
 def _final_state(run_dir):
   manager = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "checkpoints")))
   step = manager.latest_step()
   manager.close()
-  path = os.path.join(os.path.abspath(run_dir), "checkpoints", str(step), "state")
-  with ocp.StandardCheckpointer() as ckpt:  # whole on one device: any saved topology restores
-    saved = ckpt.metadata(path).item_metadata
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    state = ckpt.restore(path, jax.tree_util.tree_map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved))
+  state = _restore_whole(run_dir, step)
   return step, {jax.tree_util.keystr(p): np.asarray(x) for p, x in
                 jax.tree_util.tree_leaves_with_path(state)}
 
@@ -179,6 +242,11 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, 
   t0 = time.time()
   if processes < 1:
     raise MaxlmError(f"--processes must be >= 1, got {processes}")
+  if corrupt and kills < 1:
+    raise MaxlmError("--corrupt needs --kills >= 1: it corrupts the killed run's latest "
+                     "checkpoint before the last resume")
+  every = config.train.checkpoint_every
+  saves = sorted(g for g in range(sum(steps)) if (g + 1) % every == 0 or g in boundaries)
   each = f" as {processes} processes" if processes > 1 else ""
   log(f"[1/3] uninterrupted run{each} in {base}")
   code, _, err = _run(config_path, overrides, base, processes, env)
@@ -188,20 +256,23 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, 
   events, after = [], -1
   for i in range(kills):
     moment = MOMENTS[i % len(MOMENTS)]
-    proc = _Job(config_path, overrides, killed, processes, env, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
+    need = corrupt and i == kills - 1  # --corrupt needs a checkpoint in the killed run
+    at = kill_step(moment, after, boundaries, saves, need)
+    pause = {} if at is None else {"MAXLM_PAUSE_AFTER": f"{at}:{os.path.join(work, 'never')}"}
+    proc = _Job(config_path, overrides, killed, processes, {**env, **pause},
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(rng.random() * 0.2)
-    last, what = _kill_when(proc, killed, moment, after, boundaries)
+    last, what = _kill_when(proc, killed, moment, after, at, need)
     events.append((moment, last, what))
     log(f"      kill {i + 1}: {moment:<15} at step {last} ({what})")
     after = last if last is not None else after
   flipped = corrupt_latest(killed) if corrupt else None
   if flipped is not None:
-    log(f"      corrupted checkpoint {flipped} (64 bytes flipped)")
+    log(f"      corrupted checkpoint {flipped} (one bit of its array data flipped)")
   code, out, err = _run(config_path, overrides, killed, processes, env)
   if code:
     raise MaxlmError(f"the resumed run failed: {err.strip()[-300:]}")
-  caught = flipped is None or f"checkpoint {flipped} is corrupt" in out
+  caught = flipped is None or f"checkpoint {flipped} is corrupt (" in out
   if not caught:
     log(f"      the resume did not report checkpoint {flipped} as corrupt")
   runs = [("killed x%d" % kills, killed)]
