@@ -22,22 +22,29 @@ def cmd_eval(args):
       return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules)))
 
   split = store.VAL if args.split == "val" else store.TRAIN
-  if args.rows is not None and args.rows < 1:
-    raise MaxlmError(f"--rows must be >= 1, got {args.rows}")
-  table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, args.rows or
-                             config.train.eval_rows, split)
+  if args.tokens is not None and args.tokens < 1:
+    raise MaxlmError(f"--tokens must be >= 1, got {args.tokens}")
+  budget = args.tokens or config.train.eval_tokens
+  table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, budget, split)
   if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
   if args.json:
-    print(json.dumps(bpb.jsonable({"step": step, "stage": s, "split": args.split, **table})))
+    print(json.dumps(bpb.jsonable({
+        "step": step, "stage": s, "seq_len": stage.seq_len, "split": args.split,
+        "eval_tokens": budget, "small_tokens": bpb.SMALL_TOKENS, **table})))
     return
-  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split; equal rows "
-        "per source (docs/troubleshooting.md)")
-  print(f"{'source':<12}{'rows':>6}{'tokens':>10}{'bytes':>11}{'loss/token':>12}"
-        f"{'bits/byte':>11}")
+  print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split: per source, "
+        f"whole documents within {budget:,} tokens, the same text at every stage "
+        "(docs/troubleshooting.md)")
+  print(f"{'source':<13}{'documents':>10}{'tokens':>10}{'bytes':>11}{'nll (nats)':>13}"
+        f"{'loss/token':>12}{'bits/byte':>11}")
   for name, e in [*table["sources"].items(), ("all", table["all"])]:
-    print(f"{name:<12}{e['rows']:>6}{e['tokens']:>10,}{e['bytes']:>11,}{e['loss']:>12.4f}"
-          f"{e['bpb']:>11.4f}")
+    mark = "*" if e["small"] and name != "all" else ""
+    print(f"{name + mark:<13}{e['documents']:>10,}{e['tokens']:>10,}{e['bytes']:>11,}"
+          f"{e['nll']:>13,.1f}{e['loss']:>12.4f}{e['bpb']:>11.4f}")
+  if bpb.small_sources(table):
+    print("* " + bpb.small_note(bpb.small_sources(table)))
+  print("bits/byte = nll / ln 2 / bytes; loss/token = nll / tokens")
 
 
 def cmd_trace(args):

@@ -25,7 +25,8 @@ def _run_dir(tmp_path, resumed=True):
       row.update(loss=9.0, spike={"mean": 4.5, "std": 0.5, "threshold": 6.0, "sigmas": 9.0})
     if g % 20 == 19:
       row.update({"val_loss": 4.0, "val_bpb": 1.5, "val_loss/prose": 4.2, "val_bpb/prose": 1.6,
-                  "val_loss/code": 3.8, "val_bpb/code": 1.3})
+                  "val_loss/code": 3.8, "val_bpb/code": 1.3, "val_tokens/prose": 20_000,
+                  "val_tokens/code": 812, "val_bytes/prose": 61_000, "val_bytes/code": 2_400})
     rows.append(row)
   if resumed:  # a kill after step 30, resumed from 25: steps 25..30 logged twice
     rows = rows[:31] + [{**rows[25], "tokens_per_s": 10.0, "mfu": 0.003}] + rows[26:]
@@ -56,9 +57,10 @@ def test_panels_stage_labels_and_per_source_curves(tmp_path):
   assert [line.get_xdata()[0] for line in loss.get_lines()[3:]] == [39.5]  # the boundary
   for title in ("held-out loss per token", "held-out bits per byte"):
     labels = [t.get_text() for t in axes[title].get_legend().get_texts()]
-    assert labels == ["all sources", "code", "prose"]
+    assert labels == ["all sources", "code (small: 812 tokens)", "prose"]
   bpb = {line.get_label(): line.get_ydata() for line in axes["held-out bits per byte"].lines}
-  assert list(bpb["code"]) == [1.3, 1.3, 1.3]
+  assert list(bpb["code (small: 812 tokens)"]) == [1.3, 1.3, 1.3]  # one curve across stages
+  assert list(bpb["prose"]) == [1.6, 1.6, 1.6]
   mfu = [t.get_text() for t in axes["MFU and tokens/s"].get_legend().get_texts()]
   assert mfu == ["MFU %", "tokens/s"]
   mfu_line = axes["MFU and tokens/s"].lines[0]
@@ -75,6 +77,15 @@ def test_save_writes_a_png_and_says_when_there_is_nothing(tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(MaxlmError, match="no metrics.jsonl yet"):
     plot.save(str(tmp_path / "empty"), str(out))
+
+
+def test_a_source_whose_scored_text_changed_is_flagged():
+  rows = [{"step": 1, "val_tokens/a": 30_000}, {"step": 2, "val_tokens/a": 30_000},
+          {"step": 3, "val_tokens/b": 9_999}, {"step": 4, "val_tokens/b": 12_000}]
+  assert plot.source_label(rows, "a") == "a"
+  assert plot.source_label(rows, "b") == "b (scored text changed)"
+  assert plot.source_label(rows[2:3], "b") == "b (small: 9,999 tokens)"
+  assert plot.source_label([{"step": 1, "val_loss/c": 2.0}], "c") == "c"  # an older run
 
 
 def test_ema_is_bias_corrected_and_skips_nan():

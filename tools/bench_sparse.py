@@ -130,7 +130,7 @@ def recall_demo(workdir):
   import numpy as np
   from maxlm import config as config_lib
   from maxlm.data import assemble, corpus, loader, prepare
-  from maxlm.eval import bpb
+  from maxlm.eval import windows
   from maxlm.model import build
   from maxlm.train import checkpoint, loop, resume
   raw = corpus.build(f"{workdir}/raw", bytes_per_source=600_000)
@@ -150,7 +150,8 @@ def recall_demo(workdir):
                         reader=True)[0]
   parts = loop.stage_parts(cfg, 1, vocab)
   seq_len = cfg.stages[1].seq_len
-  rows, _ = bpb.heldout_rows(data.index, seq_len, cfg.data.overlap, cfg.data.min_cut, 16)
+  rows = windows.heldout_rows(data.index, windows.heldout_docs(data.index, 16 * seq_len),
+                              seq_len, cfg.data.overlap, cfg.data.min_cut)[:16]
   fn = jax.jit(lambda p, b: build.loss_fn(parts.model, p, b, cfg.rules, chunk=256)[1])
   recall, queries = 0.0, 0.0
   for r in rows:

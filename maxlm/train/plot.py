@@ -4,13 +4,15 @@ the stage names).
 Panels, top to bottom: training loss (the raw per-step line faint, an exponential moving
 average over ~`smoothing_span` steps on top; the average restarts at each stage, whose length
 change moves the loss; red crosses on the steps training flagged as spikes, which
-`maxlm trace RUN_DIR --step K` takes apart), held-out loss and bits per byte (all sources, and each source from its
-`val_loss/<source>` / `val_bpb/<source>` keys), learning rate, gradient and parameter norms, the
-largest attention logit, and MFU with tokens/s. Dashed lines mark stage boundaries, labelled
-with the stage's name (or index) and L. A resumed run logs recomputed steps again: the last row
-of each step wins. The first step a process runs in a stage includes compiling it, so its MFU
-and tokens/s are left out of their panel (found in file order: a step that does not follow
-the previous row's step in the same stage).
+`maxlm trace RUN_DIR --step K` takes apart), held-out loss and bits per byte (all sources, and
+one curve per source across the stages from its `val_loss/<source>` / `val_bpb/<source>` keys:
+every evaluation scores the same text, maxlm/eval/bpb.py; a source with under
+bpb.SMALL_TOKENS tokens held out is flagged in the legend), learning rate, gradient and
+parameter norms, the largest attention logit, and MFU with tokens/s. Dashed lines mark stage
+boundaries, labelled with the stage's name (or index) and L. A resumed run logs recomputed
+steps again: the last row of each step wins. The first step a process runs in a stage includes
+compiling it, so its MFU and tokens/s are left out of their panel (found in file order: a step
+that does not follow the previous row's step in the same stage).
 """
 
 import io as io_lib
@@ -23,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
 from maxlm import MaxlmError, io  # noqa: E402
+from maxlm.eval import bpb  # noqa: E402
 from maxlm.train import metrics  # noqa: E402
 
 PANELS = ("loss", "val_loss", "val_bpb", "lr", "norms", "max_logit", "mfu")
@@ -132,12 +135,25 @@ def _per_source(ax, rows, name):
   sources = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith(name + "/")})
   for source in sources:
     xs, ys = _series(rows, f"{name}/{source}")
-    ax.plot(xs, ys, "o--", lw=1, ms=2.5, label=source)
+    ax.plot(xs, ys, "o--", lw=1, ms=2.5, label=source_label(rows, source))
   if xs or sources:
     ax.legend(fontsize=7, loc="best", ncol=min(4, len(sources) + 1))
   else:
     ax.text(0.5, 0.5, "not evaluated yet (train.eval_every)", transform=ax.transAxes,
             ha="center", va="center", color="grey")
+
+
+def source_label(rows, source):
+  """A source's legend entry: its name, flagged when its held-out set is small (under
+  bpb.SMALL_TOKENS tokens scored: a noisy curve) or when evaluations scored different text
+  (runs from before every evaluation scored the same documents)."""
+  tokens = [r[f"val_tokens/{source}"] for r in rows if f"val_tokens/{source}" in r]
+  label = source
+  if tokens and tokens[-1] < bpb.SMALL_TOKENS:
+    label += f" (small: {tokens[-1]:,} tokens)"
+  if len(set(tokens)) > 1:
+    label += " (scored text changed)"
+  return label
 
 
 def _mfu(ax, rows):
