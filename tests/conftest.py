@@ -12,6 +12,41 @@ from maxlm import cli  # noqa: E402
 
 cli.enable_compile_cache()
 
+# The libraries our checks against outside references need (the hf and quality-check extras).
+# With MAXLM_REQUIRE_REFERENCES=1 (.ci/run, the README's test command) a test that skips for
+# want of one fails instead: a missing extra must not turn those checks green unseen.
+REFERENCES = ("torch", "transformers", "datatrove", "datasketch", "spacy")
+
+
+def _reference_skip(report):
+  """The skip's reason when it names a reference library, else None."""
+  if not (report.skipped and os.environ.get("MAXLM_REQUIRE_REFERENCES") == "1"):
+    return None
+  reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+  return reason if any(name in reason for name in REFERENCES) else None
+
+
+def _fail(report, reason):
+  report.outcome = "failed"
+  report.longrepr = (f"MAXLM_REQUIRE_REFERENCES=1 and this reference check skipped: {reason} "
+                     "(pip install -e '.[test,quality-check,hf]')")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  reason = _reference_skip(report)
+  if reason is not None:
+    _fail(report, reason)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectreport(report):
+  reason = _reference_skip(report)
+  if reason is not None:
+    _fail(report, reason)
+
 
 @pytest.fixture(autouse=True)
 def _quiet_tqdm(monkeypatch):

@@ -86,3 +86,13 @@ def test_every_page_is_linked_from_the_readme_and_cites_only_the_repository():
   for where, text in texts.items():
     assert "DESIGN.md" not in text and "../shared" not in text, (
         f"{where} cites a file outside the repository")
+
+
+def test_ci_runs_the_readme_test_command_with_the_reference_libraries():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    (quickstart,) = [body for kind, body in FENCE.findall(f.read())[:1]]
+  command = quickstart.splitlines()[1]
+  with open(os.path.join(ROOT, ".ci", "run")) as f:
+    ci = [line for line in f.read().splitlines() if line and not line.startswith("#")]
+  assert ci[-1] == command and "set -euo pipefail" in ci  # pytest's exit 5 fails it too
+  assert "'.[test,quality-check,hf]'" in command and "MAXLM_REQUIRE_REFERENCES=1 " in command
