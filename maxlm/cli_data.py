@@ -29,7 +29,7 @@ def cmd_prepare(args):
                              inspect_dir=args.inspect_dir, as_text=args.as_text,
                              max_pair_len=args.max_pair_len, strict=args.strict)
   _print_manifest(manifest, args.out, args.verbose)
-  _show_funnel(manifest, args.funnel_png)
+  _show_funnel(manifest, args.funnel_png, warnings=False)  # prepare printed them already
 
 
 def _check_outputs(args):
@@ -86,13 +86,13 @@ def _quality_config(args):
   return config
 
 
-def _show_funnel(manifest, png=None, title="prepare funnel"):
+def _show_funnel(manifest, png=None, title="prepare funnel", warnings=True):
   from maxlm.data.quality import funnel
   if not manifest.get("funnel"):
     if png:
       raise MaxlmError("this data dir was prepared without the quality steps: no funnel")
     return
-  print(funnel.table(manifest["funnel"]))
+  print(funnel.table(manifest["funnel"], warnings))
   if png:
     ensure_parent(png)
     funnel.save_png(manifest["funnel"], png, title)

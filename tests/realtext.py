@@ -190,7 +190,7 @@ def write(root, n=40, seed=0):
     truth["junk"].append(f"junk-{i}")
   _jsonl(f"{root}/web.jsonl", rows)
   mirror = []
-  for i in range(0, n // 2):
+  for i in range(n):
     copy = perturb(web[i], rng)
     mirror.append({"id": f"near-{i}", "text": copy})
     truth["near"].append((f"near-{i}", f"web-{i}", planted.jaccard(web[i], copy)))

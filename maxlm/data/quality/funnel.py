@@ -59,11 +59,12 @@ class _Counts:
         self.rules[f"lines/{line_rule}"][1] += n
         left -= n
       if left:
-        self.rules["lines/c4_spacing"][1] += left
+        self.rules["lines/c4_citations_and_spacing"][1] += left
     if step is None:
       self.kept[0] += 1
       self.kept[1] += nbytes
-      share = verdict.get("nchars_out", 1) / max(verdict.get("nchars_in", 1), 1)
+      share = verdict["nchars_out"] / max(verdict["nchars_in"], 1) if "nchars_out" in verdict \
+          else 1.0
       self.kept_chars[min(_BINS, int(share * _BINS))] += 1
       return
     for counts in (self.removed[step], self.rules[f"{step}/{rule}"]):
@@ -180,7 +181,7 @@ def warnings(funnel):
   return out
 
 
-def table(funnel):
+def table(funnel, warnings=True):
   """The funnel of a manifest (`funnel` key) as text: one line per step, then per rule."""
   total_docs, total_bytes = funnel["input"]["documents"], funnel["input"]["bytes"]
   pct = lambda n, d: f"{100 * n / d:5.1f}%" if d else "    -"
@@ -189,7 +190,7 @@ def table(funnel):
   docs, nbytes = total_docs, total_bytes
   for row in funnel["steps"]:
     docs, nbytes = docs - row["documents"], nbytes - row["bytes"]
-    if row["documents"]:
+    if row["documents"] or row["bytes"]:
       lines.append(f"{'- ' + row['step']:<22}{-row['documents']:>11,}"
                    f"{pct(row['documents'], total_docs):>7}{-row['bytes']:>14,}"
                    f"{pct(row['bytes'], total_bytes):>7}")
@@ -204,7 +205,7 @@ def table(funnel):
         if len(ranked) > 8 else ""
     lines.append("removed most by: " + ", ".join(f"{r} {n:,}" for r, n in ranked[:8]) + more)
   lines += _source_rows(funnel.get("sources", {}))
-  lines += [f"warning: {w}" for w in funnel.get("warnings", ())]
+  lines += [f"warning: {w}" for w in funnel.get("warnings", ()) if warnings]
   return "\n".join(lines)
 
 
@@ -221,9 +222,10 @@ def _source_rows(sources):
     share = c["kept"]["bytes"] / c["input"]["bytes"] if c["input"]["bytes"] else 0
     median = c.get("kept_chars_median")
     top = max(c["rules"].items(), key=lambda kv: (kv[1]["bytes"], kv[0]), default=None)
+    shown = top and top[1]["bytes"] >= 0.01 * c["input"]["bytes"]
     rows.append(f"{name[:15]:<16}{kinds[:21]:<22}{docs:>17}{share:>10.1%} "
                 f"{'-' if median is None else f'{median:.0%}':>10}  "
-                f"{top[0] if top and top[1]['bytes'] else '-'}")
+                f"{top[0] if shown else '-'}")
     if c["kinds_from"].get("content"):
       rows.append(f"{'':<16}{c['kinds_from']['content']:,} routed to code by the content check "
                   f"(e.g. {c['content_examples'][0]})")
