@@ -218,19 +218,25 @@ def test_the_planner_holds_no_per_document_state():
 
 def test_the_plan_is_pinned():
   # Batches are a pure function of (data, config, stage, step) under plan.VERSION: a change
-  # here changes every run's batches and needs a new version (plan.check_resume).
+  # here changes every run's batches and needs a new version (plan.check_resume). Documents
+  # longer than a row with boundaries every 7 tokens, so rows are also filled by cuts (v3).
   mem = datagen.MemoryStore(datagen.make_docs([5 + (i * 37) % 200 for i in range(30)],
-                                              ["a", "b"] * 15, 1))
+                                              ["a", "b"] * 15, 1,
+                                              {i: range(3, 200, 7) for i in range(30)}))
   cfg = datagen.make_config([{"seq_len": 64, "batch": 2, "steps": 4}],
                             {"shuffle_rows": 2, "block_rows": 8, "overlap": 4,
                              "fim": {"rate": 0.5}}, 7)
   blk = plan.Planner(mem.index, cfg).block(0, 0)
   assert blk.doc.tolist() == PINNED_DOCS
+  assert blk.start.tolist() == PINNED_STARTS
+  assert blk.end.tolist() == PINNED_ENDS
   assert blk.fim.tolist() == PINNED_FIM
 
 
-PINNED_DOCS = [22, 1, 28, 5, 10, 7, 7, 19, 0, 10, 9, 10]
-PINNED_FIM = [0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0]
+PINNED_DOCS = [22, 1, 28, 11, 0, 10, 7, 7, 10, 7, 9, 10, 6, 9, 10, 9]
+PINNED_STARTS = [0, 0, 0, 0, 0, 0, 45, 0, 45, 59, 87, 59, 0, 0, 87, 45]
+PINNED_ENDS = [19, 42, 41, 12, 5, 45, 59, 45, 59, 64, 138, 87, 27, 45, 129, 59]
+PINNED_FIM = [0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0]
 
 
 def test_ledger_counts_each_document_once_per_stage():

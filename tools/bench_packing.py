@@ -87,9 +87,10 @@ def build_corpus(raw_dir, bytes_per_source):
       total += len(text)
       if total >= bytes_per_source:
         break
-    path = pathlib.Path(raw_dir) / f"{kind}.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    out.append(str(path))
+    if lines:  # a machine without man pages or /usr/share/doc has fewer sources
+      path = pathlib.Path(raw_dir) / f"{kind}.jsonl"
+      path.write_text("\n".join(lines) + "\n")
+      out.append(str(path))
   return out
 
 
@@ -97,7 +98,8 @@ def prepared(data_dir, bytes_per_source, vocab_size=4096):
   """A data dir of this machine's text (reused when data_dir already holds one)."""
   if (pathlib.Path(data_dir) / "manifest.json").exists():
     return data_dir
-  with tempfile.TemporaryDirectory() as raw:
+  os.makedirs(data_dir, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(data_dir))) as raw:
     inputs = build_corpus(raw, bytes_per_source)
     prepare.prepare(inputs, data_dir, vocab_size=vocab_size, val_fraction=0.0, progress=False,
                     overwrite=True, log=lambda *a, **k: None)

@@ -54,18 +54,17 @@ def fill_end(pos, limit, bound_pos, bound_level, slack):
   a, b = _between(bound_pos, max(pos + 1, limit - 4 * slack), limit)
   if b == a:
     return limit, None
-  a = max(a, int(np.searchsorted(bound_pos[a:b], limit - slack, "left")) + a)
-  if b == a:
+  near = [(lvl, p) for p, lvl in zip(bound_pos[a:b].tolist(), bound_level[a:b].tolist())
+          if p >= limit - slack]
+  if not near:
     return int(bound_pos[b - 1]), int(bound_level[b - 1])
-  levels = bound_level[a:b]
-  best = int(levels.max())
-  k = a + int(np.flatnonzero(levels == best)[-1])
-  return int(bound_pos[k]), best
+  level, end = max(near)
+  return end, level
 
 
 def _between(bound_pos, lo, hi):
-  return (int(np.searchsorted(bound_pos, lo, "left")),
-          int(np.searchsorted(bound_pos, hi, "right")))
+  """The index range of bound_pos within [lo, hi]."""
+  return int(bound_pos.searchsorted(lo, "left")), int(bound_pos.searchsorted(hi, "right"))
 
 
 def _best_cut(pos, limit, lowest, bound_pos, bound_level, slack):

@@ -16,6 +16,7 @@ element, so they can only choose among whole pieces.
 
 import bisect
 import collections
+import itertools
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from maxlm.data import chunk, fim, pairs, permute
 CHUNK = 4096  # permutation positions evaluated at a time
 
 MIN_FILL = 8
+FILL_TRIES = 8  # waiting pieces of cut documents a fill cut considers, oldest first
 
 # A piece: (pool, doc, start, end, ctx, fim_mode, positions).
 POOL, DOC, START, END, CTX, FIM, SIZE = range(7)
@@ -52,7 +54,7 @@ class Pool:
     self.cut_queue = collections.deque()
     self.window = collections.OrderedDict()  # seq -> piece, in arrival order
     self.by_size = []  # sorted (positions, -seq)
-    self.long = {}  # seq -> None: the waiting pieces of documents longer than a row, in order
+    self.long = {}  # seq -> None: the waiting pieces of documents cut to fit a row, in order
     self.seq = 0
 
   def state(self):
@@ -63,7 +65,7 @@ class Pool:
     self.cut_queue = collections.deque(tuple(p) for p in cut_queue)
     self._clear()
     for piece in window:
-      self._add(tuple(piece))
+      self._add(tuple(piece), self._is_cut(piece))
 
   def epoch_docs(self, epoch, positions):
     """The documents at `positions` of the pool's order in `epoch` (an int64 array)."""
@@ -79,7 +81,7 @@ class Pool:
     while len(self.window) < self.p.lookahead:
       if self.window and not self.cut_queue and self.cursor >= self.n:  # (epoch >= 0 here)
         break
-      self._add(self._next_piece())
+      self._add(*self._next_piece())
 
   def head(self):
     seq, piece = next(iter(self.window.items()))
@@ -96,15 +98,15 @@ class Pool:
     return piece
 
   def fill_cut(self, space):
-    """(seq, head, rest) for filling `space` positions: the oldest waiting piece `seq` of a
-    document longer than a row that has a boundary near the space's end (else, for a space
-    over 4 slacks, the oldest such piece cut inside a word), cut so that `head` fills the space
-    and `rest` (which takes the piece's place, `put_back`) carries on; (None, None, None) when
+    """(seq, head, rest) for filling `space` positions: of the FILL_TRIES oldest waiting pieces
+    of documents cut to fit a row, the first with a boundary near the space's end (else, for a
+    space over 4 slacks, the first cut inside a word), cut so that `head` fills the space and
+    `rest` (which takes the piece's place, `put_back`) carries on; (None, None, None) when
     there is none, or the head would hold under `min_fill` tokens."""
     slack, fallback = chunk.slack(self.p.seq_len), None
     if space + 1 < self.p.min_fill:
       return None, None, None
-    for seq in self.long:
+    for seq in itertools.islice(self.long, FILL_TRIES):
       piece = self.window[seq]
       if piece[SIZE] <= space:
         continue
@@ -157,19 +159,23 @@ class Pool:
                                                    piece[FIM])))
     for piece in carried:
       if piece[SIZE] <= self.p.seq_len:
-        self._add(piece)
+        self._add(piece, self._is_cut(piece))
 
   def _clear(self):
     self.window.clear()
     self.by_size.clear()
     self.long.clear()
 
-  def _add(self, piece):
+  def _add(self, piece, cut):
+    """Adds a waiting piece; `cut`: whether it is part of a document that did not fit a row."""
     self.seq += 1
     self.window[self.seq] = piece
     bisect.insort(self.by_size, (piece[SIZE], -self.seq))
-    if np.asarray(self.p.index.length)[piece[DOC]] >= self.p.seq_len:
+    if cut:
       self.long[self.seq] = None
+
+  def _is_cut(self, piece):
+    return not (piece[START] == 0 and piece[END] == self.p.index.length[piece[DOC]])
 
   def _load_chunk(self, i):
     """Documents, lengths and FIM modes of positions [i, i + CHUNK) of the current epoch."""
@@ -182,8 +188,9 @@ class Pool:
                    modes.tolist())
 
   def _next_piece(self):
+    """(the next piece to wait, whether it is part of a document cut to fit)."""
     if self.cut_queue:
-      return self.cut_queue.popleft()
+      return self.cut_queue.popleft(), True
     if self._epoch_done():
       if not self.n:
         raise MaxlmError(f"source {self.name!r} has no training documents; drop it from the mix")
@@ -197,12 +204,13 @@ class Pool:
     doc, n, mode = docs[i - first], lengths[i - first], modes[i - first]
     p, _ = self.p.index.pair_of(doc)
     if p:  # a preference pair: one piece, never cut (pairs.py)
-      return (self.index, doc, 0, n, 0, fim.NONE, self._pair_fits(doc, pairs.positions(n, p)))
+      return (self.index, doc, 0, n, 0, fim.NONE,
+              self._pair_fits(doc, pairs.positions(n, p))), False
     size = n + 1 + (chunk.FIM_MARKERS if mode else 0)  # BOS + body + EOS, minus one
     if size <= self.p.seq_len:
-      return (self.index, doc, 0, n, 0, mode, size)
+      return (self.index, doc, 0, n, 0, mode, size), False
     self.cut_queue.extend(self._cut(doc, 0, n, mode))
-    return self.cut_queue.popleft()
+    return self.cut_queue.popleft(), True
 
   def _pair_fits(self, doc, size):
     if size > self.p.seq_len and self.p.index.pair_of(doc)[0]:
