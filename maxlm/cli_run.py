@@ -63,28 +63,74 @@ def cmd_generate(args):
   from maxlm import io
   from maxlm.data import tokenizer
   from maxlm.eval import generate, run
-  if args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-    raise MaxlmError("--max-tokens must be >= 1, --temperature >= 0 and --top-k >= 0")
   if (args.prompt is None) == (args.prompts is None):
     raise MaxlmError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
   if args.samples < 1:
     raise MaxlmError(f"--samples must be >= 1, got {args.samples}")
-  if args.prompts:
+  generate.check_settings(args.temperature, args.top_k, args.seed + args.samples - 1,
+                          args.max_tokens)
+  if args.prompt is not None:
+    _utf8(args.prompt)
+  else:
     from maxlm.eval import verify
-    prompts, _ = verify.read_prompts(args.prompts)
-  config, data, _, mesh, model, params, _ = run.open_run(args.run_dir)
+    prompts, dropped = verify.read_prompts(args.prompts)
+  config, data, s, mesh, model, params, _ = run.open_run(args.run_dir)
+  generate.check_settings(args.temperature, args.top_k, args.seed, args.max_tokens,
+                          model.cfg.vocab_size)
+  positions, longest = generate.context(config, s)
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   if args.prompts:
+    prompts = _fitting(args, data, sp, prompts, dropped, positions)
     result = verify.evaluate(_sampler(args, data, sp, mesh, model, params), prompts,
                              args.verify, args.samples)
-    print(json.dumps(result) if args.json else verify.format_result(result))
+    print(json.dumps({**result, "dropped": dropped}) if args.json else
+          verify.format_result(result))
     return
   ids = [data.special.bos] + sp.encode(args.prompt)
+  problem = generate.length_problem(len(ids), args.max_tokens, positions)
+  if problem:
+    raise MaxlmError(f"--prompt: {problem} (stages.{longest}.seq_len)")
   with mesh:
     out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
                           temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                           eos_id=data.special.eos)
   print(args.prompt + sp.decode(out))
+
+
+def _utf8(text):
+  """A command-line text is valid Unicode: undecodable bytes reach Python as lone surrogates,
+  which the tokenizer cannot take."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise MaxlmError(f"--prompt is not valid UTF-8 text (character {e.start}: "
+                     f"{text[e.start:e.end].encode('utf-8', 'surrogateescape')!r}); pass UTF-8"
+                     ) from None
+
+
+def _fitting(args, data, sp, prompts, dropped, positions):
+  """The prompts whose tokens and --max-tokens fit the model (the others counted in `dropped`
+  as too_long); says on stderr how many lines of the file are not used, and why."""
+  from maxlm.data import pairs
+  from maxlm.eval import generate
+  kept = []
+  for p in prompts:
+    n = 1 + len(pairs.prompt_ids(sp, p["prompt"], not isinstance(p["prompt"], str)))
+    if generate.length_problem(n, args.max_tokens, positions) is None:
+      kept.append(p)
+    else:
+      dropped["too_long"] = dropped.get("too_long", 0) + 1
+  reasons = {k: v for k, v in dropped.items() if v}
+  counts = ", ".join(f"{k} {v}" for k, v in reasons.items())
+  if not kept:
+    raise MaxlmError(f"--prompts {args.prompts}: no usable prompt fits the model's {positions} "
+                     f"positions with --max-tokens {args.max_tokens} (not used: {counts})")
+  if reasons:
+    why = (f" (too_long: the prompt and --max-tokens {args.max_tokens} exceed the model's "
+           f"{positions} positions)" if "too_long" in reasons else "")
+    print(f"--prompts {args.prompts}: {sum(reasons.values())} lines not used: {counts}{why}",
+          file=sys.stderr)
+  return kept
 
 
 def _sampler(args, data, sp, mesh, model, params):

@@ -2,12 +2,64 @@
 
 The decoder runs with `decode=True`, keeping each layer's keys and values in the "cache"
 collection, so step t attends to the cached keys instead of recomputing the prefix. Sampling
-is temperature plus top-k with a seeded key per step, so a seed reproduces its sample.
+is temperature plus top-k with a seeded key per step, so a seed reproduces its sample; a seed
+is any integer in [0, 2**64), all 64 bits in the key (jax.random.key keeps 32 of them without
+x64, so seeds 0 and 2**32 would sample alike).
+
+A model holds as many positions as the longest stage it trained (`context`): `length_problem`
+says why a prompt plus --max-tokens does not fit, and `check_settings` refuses sampling settings
+it cannot honour, each in one line, before any cache is allocated.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from maxlm import MaxlmError
+
+SEEDS = 2**64
+
+
+def context(config, stage):
+  """(positions, stage index): the longest sequence the run trained up to `stage`."""
+  i = max(range(stage + 1), key=lambda j: config.stages[j].seq_len)
+  return config.stages[i].seq_len, i
+
+
+def check_settings(temperature, top_k, seed, max_tokens, vocab=None):
+  """One line for a setting the sampler cannot honour."""
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise MaxlmError(f"--temperature must be a finite number >= 0 (0 is greedy), got "
+                     f"{temperature}")
+  if not 0 <= seed < SEEDS:
+    raise MaxlmError(f"--seed must be in [0, 2**64), got {seed}")
+  if max_tokens < 1:
+    raise MaxlmError(f"--max-tokens must be >= 1, got {max_tokens}")
+  if top_k < 0 or vocab is not None and top_k > vocab:
+    raise MaxlmError(f"--top-k must be in [0, {vocab or 'the vocabulary size'}] (0: all "
+                     f"tokens), got {top_k}")
+
+
+def length_problem(prompt_tokens, max_tokens, positions):
+  """Why prompt + max_tokens do not fit the model's `positions`, or None."""
+  if prompt_tokens + max_tokens <= positions:
+    return None
+  if prompt_tokens >= positions:
+    return (f"the prompt is {prompt_tokens:,} tokens (with BOS), more than the {positions:,} "
+            "positions this model holds: shorten it")
+  return (f"the prompt is {prompt_tokens:,} tokens (with BOS) and --max-tokens {max_tokens:,}: "
+          f"{prompt_tokens + max_tokens:,} positions, more than the {positions:,} this model "
+          f"holds: pass --max-tokens {positions - prompt_tokens:,} or less")
+
+
+def _key(seed):
+  """All 64 bits of `seed` in a threefry key (equal to jax.random.key(seed) below 2**32)."""
+  if not 0 <= seed < SEEDS:
+    raise MaxlmError(f"seed must be in [0, 2**64), got {seed}")
+  return jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
+                                  impl="threefry2x32")
 
 
 def _next_token(logits_V, key, temperature, top_k):
@@ -43,7 +95,7 @@ def sample(model, params, prompt_ids, *, max_tokens, temperature=1.0, top_k=0, s
   n = prompt.shape[1]
   logits, cache = jax.jit(run)(params, cache, jnp.asarray(prompt),
                                jnp.arange(n, dtype=jnp.int32)[None])
-  base = jax.random.key(seed)
+  base = _key(seed)
   token = _next_token(logits, jax.random.fold_in(base, 0), temperature, top_k)
   out = []
   for t in range(max_tokens):

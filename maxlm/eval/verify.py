@@ -2,7 +2,8 @@
 
 Each line of FILE is `{"prompt", "gold"}` (optional `id`, `source`; a prompt is a string or chat
 `messages`); `maxlm prepare` writes the valid ones of its inputs to DATA_DIR/prompts.jsonl, and
-either file works here. A bad line is counted by reason (pairs.parse_prompt's), never fatal.
+either file works here. A bad line is counted by reason (pairs.parse_prompt's, and
+invalid_unicode for a lone surrogate escape), never fatal; `maxlm generate` prints the counts.
 
 The answer-extraction rule, applied to the sampled text (cut at the first EOS or `<|end|>`):
   1. if it holds `<answer>...</answer>` blocks, the answer is the LAST block's content;
@@ -34,7 +35,8 @@ def read_prompts(path):
     raw = open(path, "rb").read()
   except OSError as e:
     raise MaxlmError(f"--prompts {path}: cannot be read ({e.strerror})") from None
-  out, bad = [], {"malformed_json": 0, "missing_field": 0, "empty_answer": 0}
+  out, bad = [], {"malformed_json": 0, "missing_field": 0, "empty_answer": 0,
+                  "invalid_unicode": 0}
   for number, line in enumerate(raw.splitlines(), 1):
     if not line.strip():
       continue
@@ -48,7 +50,12 @@ def read_prompts(path):
       continue
     fields, reason = pairs.parse_prompt(record)
     if fields is None:
-      bad[reason] += 1
+      bad[reason] = bad.get(reason, 0) + 1
+      continue
+    try:  # a "\udcff" escape decodes to a lone surrogate, which no tokenizer takes
+      json.dumps(fields, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+      bad["invalid_unicode"] += 1
       continue
     out.append({"id": str(record.get("id", f"{number}")), "source": record.get("source", ""),
                 "prompt": fields["prompt"], "gold": fields["gold"]})

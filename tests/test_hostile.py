@@ -1,0 +1,117 @@
+"""The CLI under hostile inputs, run as a user runs it (`maxlm ...` in a subprocess on a tiny
+trained run): every user-caused condition is one line and exit code 2, never an internal
+error, and nothing is dropped or written elsewhere without a word."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from maxlm import cli, config as config_lib
+
+MODEL = {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32, "n_layers": 2,
+         "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 64, "loss_chunk": 32}
+
+
+def maxlm(*args):
+  return subprocess.run([sys.executable, "-m", "maxlm.cli",
+                         *(a if isinstance(a, bytes) else str(a) for a in args)],
+                        capture_output=True, text=True, errors="replace")
+
+
+def one_line_error(proc, *words):
+  assert proc.returncode == 2, (proc.returncode, proc.stderr)
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "internal error" not in proc.stderr, proc.stderr
+  for word in words:
+    assert word in lines[0], lines[0]
+  return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, demo_data):
+  """A run trained 4 steps at L = 32 (so it holds 32 positions), vocabulary 1024."""
+  from maxlm.train import loop
+  tmp = tmp_path_factory.mktemp("hostile")
+  raw = {"seed": 0, "run_dir": str(tmp / "run"),
+         "data": {"dir": str(demo_data), "mix": {"prose": 0.6, "code": 0.4}, "overlap": 4,
+                  "shuffle_rows": 8, "block_rows": 64},
+         "stages": [{"seq_len": 32, "batch": 8, "steps": 4}], "model": MODEL,
+         "train": {"lr": 0.01, "warmup_steps": 1, "checkpoint_every": 2, "eval_every": 0,
+                   "eval_rows": 2}}
+  (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
+  loop.train(config_lib.load(str(tmp / "cfg.yaml")), log=lambda *_: None)
+  return tmp
+
+
+def test_generate_refuses_settings_it_cannot_honour(run):
+  """Checked before the run is opened: each is one line naming the option."""
+  for args, words in ((["--temperature", "nan"], ("--temperature", "nan")),
+                      (["--temperature", "inf"], ("--temperature", "inf")),
+                      (["--temperature", "-0.5"], ("--temperature", "-0.5")),
+                      (["--seed", str(2**64)], ("--seed must be in [0, 2**64)",)),
+                      (["--seed", "-1"], ("--seed",)),
+                      (["--prompt", b"caf\xe9 au lait"], ("--prompt is not valid UTF-8",)),
+                      (["--prompt", "\udcff"], ("--prompt is not valid UTF-8",))):
+    if "--prompt" not in args:
+      args = ["--prompt", "hi", *args]
+    one_line_error(maxlm("generate", run / "run", *args), *words)
+
+
+def test_generate_refuses_what_the_model_cannot_hold(run):
+  one_line_error(maxlm("generate", run / "run", "--prompt", "word " * 5000),
+                 "more than the 32 positions this model holds: shorten it")
+  one_line_error(maxlm("generate", run / "run", "--prompt", "hi", "--max-tokens", "100000"),
+                 "pass --max-tokens", "or less")
+  one_line_error(maxlm("generate", run / "run", "--prompt", "hi", "--top-k", "1025"),
+                 "--top-k must be in [0, 1024]")
+  ok = maxlm("generate", run / "run", "--prompt", "hi", "--top-k", "1024", "--max-tokens", "3",
+             "--seed", str(2**64 - 1))
+  assert ok.returncode == 0 and ok.stdout.startswith("hi"), ok.stderr
+
+
+def test_generate_counts_every_prompt_line_it_does_not_use(run):
+  lines = ['{"prompt": "1+1=", "gold": "2"}', "not json", '{"prompt": "\\udcff", "gold": "1"}',
+           '{"prompt": "no gold"}', json.dumps({"prompt": "word " * 300, "gold": "1"}),
+           '["a list"]']
+  path = run / "prompts.jsonl"
+  path.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe\n")
+  proc = maxlm("generate", run / "run", "--prompts", path, "--max-tokens", "4", "--json")
+  assert proc.returncode == 0, proc.stderr
+  assert ("lines not used: malformed_json 3, missing_field 1, invalid_unicode 1, too_long 1"
+          in proc.stderr), proc.stderr
+  result = json.loads(proc.stdout)
+  assert len(result["prompts"]) == 1 and result["dropped"]["too_long"] == 1
+  path.write_text(lines[4] + "\n")
+  one_line_error(maxlm("generate", run / "run", "--prompts", path),
+                 "no usable prompt fits the model's 32 positions")
+
+
+def test_outputs_are_the_file_named(run, tmp_path):
+  """A suffix the writer would change or refuse is one line; nothing is written."""
+  cfg = run / "cfg.yaml"
+  for args in (["show-batch", cfg, "--out", tmp_path / "row.jpgg"],
+               ["show-batch", cfg, "--out", tmp_path / "row"],
+               ["batches", cfg, "--out", tmp_path / "b"]):
+    one_line_error(maxlm(*args), "give a file name ending in")
+  one_line_error(maxlm("funnel", run / "nope", "--png", tmp_path / "f"),
+                 "--png", "ending in .png")
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_os_errors_are_one_line_naming_the_path(run, tmp_path):
+  (tmp_path / "afile").write_text("x")
+  line = one_line_error(maxlm("batches", run / "cfg.yaml", "--out", tmp_path / "afile" / "b.npz"))
+  assert "afile" in line and "errno" in line
+  assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_os_error_line_reads_wrapped_errors():
+  from safetensors import SafetensorError
+  e = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+  assert cli.os_error_line(e).startswith("No space left on device (errno 28): SafetensorError")
+  assert cli.os_error_line(OSError(30, "Read-only file system", "/x")) == (
+      "Read-only file system (errno 30): /x; the file system is read-only: write elsewhere")
+  assert cli.os_error_line(ValueError("a bug")) is None
