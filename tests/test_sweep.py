@@ -16,7 +16,7 @@ import yaml
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.model import build
-from maxlm.sweep import fit, grid, runner
+from maxlm.sweep import fit, grid, report, runner
 import maxlm.sweep as sweep_lib
 
 
@@ -173,3 +173,15 @@ def test_a_failing_point_stops_the_sweep_with_one_line(demo_data, tmp_path):
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert "1 point failed: c2e10_16x1" in proc.stderr and "not divisible" in proc.stderr
   assert not (tmp_path / "bad" / "runs" / "c2e10_24x1").exists()  # not started
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path):
+  """sweep.json, recommended.yaml and the point configs are written whole or not at all: a
+  real ENOSPC (the temporary name is /dev/full) names the file and leaves no temporary."""
+  target = tmp_path / "sweep.json"
+  target.write_text("old")
+  (tmp_path / "sweep.json.tmp").symlink_to("/dev/full")
+  with pytest.raises(MaxlmError, match=r"cannot write .*sweep.json: No space left on device "
+                                       r"\(errno 28\); free space"):
+    report.write_whole(str(target), "new" * 100_000)
+  assert target.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["sweep.json"]

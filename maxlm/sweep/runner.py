@@ -126,7 +126,11 @@ def check_out(out, points):
     path = os.path.join(p.run_dir, "config.sweep.yaml")
     if os.path.exists(path):
       with open(path) as f:
-        if yaml.safe_load(f) != p.config:
+        try:
+          found = yaml.safe_load(f)
+        except yaml.YAMLError:  # cut short (an older maxlm on a full disk): never trained
+          continue
+        if found != p.config:
           raise MaxlmError(f"{out} holds another sweep ({path} differs: other config, "
                            f"overrides or options); pass a new --out")
 
@@ -191,10 +195,14 @@ def _run_one(p, log, stop):
     return _SKIPPED
   log(f"running {p.name}: {p.shape.model_keys()} N={p.n_params:,}, {p.steps} steps, "
       f"{p.epochs:.2f} epochs")
-  os.makedirs(p.run_dir, exist_ok=True)
+  from maxlm.sweep import report  # report imports this module
   path = os.path.join(p.run_dir, "config.sweep.yaml")
-  with open(path, "w") as f:
-    yaml.safe_dump(p.config, f, sort_keys=False)
+  try:
+    os.makedirs(p.run_dir, exist_ok=True)
+    report.write_whole(path, yaml.safe_dump(p.config, sort_keys=False))
+  except (OSError, MaxlmError) as e:
+    stop.set()
+    return str(e) if isinstance(e, MaxlmError) else f"cannot write {p.run_dir}: {e.strerror}"
   with open(os.path.join(p.run_dir, "train.log"), "ab") as logfile:
     code = subprocess.run([sys.executable, "-m", "maxlm.cli", "train", path],
                           stdout=logfile, stderr=subprocess.STDOUT, check=False).returncode
