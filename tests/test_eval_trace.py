@@ -67,7 +67,17 @@ def test_trace_and_eval_commands_print_json(run):
   e = json.loads(proc.stdout)
   assert sorted(e["sources"]) == ["code", "prose"] and e["step"] == 11
   for entry in [*e["sources"].values(), e["all"]]:
-    assert set(entry) == {"rows", "tokens", "bytes", "loss", "bpb"}
+    assert set(entry) == {"documents", "tokens", "bytes", "nll", "loss", "bpb", "small"}
+    assert entry["bpb"] == pytest.approx(entry["nll"] / math.log(2) / entry["bytes"], rel=1e-12)
+    assert entry["loss"] == pytest.approx(entry["nll"] / entry["tokens"], rel=1e-12)
+    assert entry["small"]  # this test data holds out a few hundred tokens per source
+  assert e["seq_len"] == 64 and e["small_tokens"] == 10_000
+  last = [r for r in metrics.read_jsonl(run) if "val_loss" in r][-1]
+  for name, entry in e["sources"].items():  # the text the run evaluated, at the same L
+    assert (entry["tokens"], entry["bytes"]) == (last[f"val_tokens/{name}"],
+                                                 last[f"val_bytes/{name}"])
+  proc = maxlm("eval", run)
+  assert proc.returncode == 0 and "small held-out set" in proc.stdout, proc.stderr
   proc = maxlm("trace", run, "--step", -1)
   assert proc.returncode == 2 and "global steps 0..10" in proc.stderr
 
@@ -79,6 +89,11 @@ def test_every_evaluation_logs_every_source_in_metrics_and_tensorboard(run):
   for r in evals:
     for name in ("prose", "code"):
       assert math.isfinite(r[f"val_loss/{name}"]) and math.isfinite(r[f"val_bpb/{name}"]), r
+  by_stage = {r["stage"]: r for r in evals}
+  assert sorted(by_stage) == [0, 1], "an evaluation at L=32 and one at L=64"
+  for name in ("prose", "code"):  # the same text scored at both lengths
+    assert by_stage[0][f"val_tokens/{name}"] == by_stage[1][f"val_tokens/{name}"] > 0
+    assert by_stage[0][f"val_bytes/{name}"] == by_stage[1][f"val_bytes/{name}"] > 0
   (events,) = pathlib.Path(run).glob("events.out.tfevents.*")
   tags = set().union(*(scalars for _, scalars in metrics.read_events(str(events))))
   assert {"val_loss/prose", "val_loss/code", "val_bpb/prose", "val_bpb/code"} <= tags
