@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from maxlm import MaxlmError, io
-from maxlm.data import index_files, loader, prepare, store, tokenizer
+from maxlm.data import datadir, index_files, loader, prepare, store, tokenizer
 
 import datagen
 from datagen import QUALITY_OFF
@@ -104,7 +104,9 @@ def test_manifest_lists_files_and_fingerprint_names_the_data(tmp_path, tok):
   pairs = []
   for name, entry in sorted(m1["files"].items()):
     data = (tmp_path / "d1" / name).read_bytes()
-    assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    blocks = ({"block_bytes": datadir.BLOCK_BYTES,
+               "xxh3_64_blocks": datadir.block_digests(data)} if name.startswith("tokens-") else {})
+    assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **blocks}
     pairs.append(f"{name}\0{entry['sha256']}\n")
   assert store.fingerprint(m1) == hashlib.sha256("".join(pairs).encode()).hexdigest()
   assert store.fingerprint(m1) == store.fingerprint(m2)
@@ -217,3 +219,41 @@ def test_write_errors_are_the_operating_systems_words():
   text = ('OUT_OF_RANGE: Failed writing: "/x/tokens-00000.bin.__lock": Failed to write 10 bytes '
           "to file 6: No space left on device [os_error_code='28']")
   assert io.describe_error(ValueError(text)) == "No space left on device (errno 28)"
+
+
+def _flip(path, at):
+  data = bytearray(path.read_bytes())
+  data[at] ^= 1
+  path.write_bytes(bytes(data))
+
+
+def test_a_changed_shard_byte_stops_the_first_read_of_its_block(tmp_path, monkeypatch):
+  """A token shard edited after prepare (same size, so `verify` passes) is refused by the
+  store the first time a process reads the changed block, naming the shard and the block;
+  the other blocks read on. Data dirs from before block digests check the file's SHA-256."""
+  import pickle
+  import numpy as np
+  monkeypatch.setattr(datadir, "BLOCK_BYTES", 1024)
+  lengths = [100] * 40  # 16,000 bytes of tokens: blocks 0..15
+  out = datagen.write_data_dir(tmp_path / "d", datagen.make_docs(lengths))
+  manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+  entry = manifest["files"]["tokens-00000.bin"]
+  assert entry["block_bytes"] == 1024 and len(entry["xxh3_64_blocks"]) == 16
+  shard = tmp_path / "d" / "tokens-00000.bin"
+  _flip(shard, 5 * 1024 + 7)  # block 5 (bytes 5120..6144): documents 12 to 15
+  store.load_manifest(out)  # sizes still agree: opening does not notice
+  reader = store.TokenStore(out)
+  for doc in (0, 11, 16, 39):
+    assert len(reader.document(doc)) == 100
+  for fresh in (reader, pickle.loads(pickle.dumps(reader))):  # a Grain worker checks too
+    with pytest.raises(MaxlmError, match=r"tokens-00000.bin block 5 \(bytes 5,120..6,144\) "
+                                         r"does not match its XXH3-64 in manifest.json"):
+      fresh.document(13)
+  entry.pop("xxh3_64_blocks")  # as an older prepare wrote it (the fingerprint is unchanged)
+  (tmp_path / "d" / "manifest.json").write_text(json.dumps(manifest))
+  with pytest.raises(MaxlmError, match=r"tokens-00000.bin block 0 .* its SHA-256"):
+    store.TokenStore(out).document(0)
+  _flip(shard, 5 * 1024 + 7)  # back as prepared: every read passes, each block hashed once
+  reader = store.TokenStore(out)
+  assert np.array_equal(reader.read(13, 0, 100), datagen.make_docs(lengths)[13][1])
+  assert reader._checked == {0}

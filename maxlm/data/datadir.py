@@ -18,7 +18,11 @@ The manifest's `files` maps each file's name to {"bytes", "sha256"} (hashed from
 they are written, never re-read) and `fingerprint` is the sha256 of the lines "NAME\\0SHA256\\n"
 in name order: equal fingerprints mean equal data. `verify` runs whenever a data dir is opened
 and checks only that every listed file exists with its listed size (a stat, or two one-byte
-ranged reads on an object store), never re-hashing shards.
+ranged reads on an object store), never re-hashing shards. A token shard's entry also lists
+`xxh3_64_blocks`, the XXH3-64 of each `block_bytes` (64 MiB) of it: `store.TokenStore` checks a block the first
+time its process reads from it, so a byte changed after prepare (same size) stops training with
+one line naming the shard and block, for one hash pass over the data (tools/bench_shard_digest.py
+measures it against the loader).
 """
 
 import fcntl
@@ -29,9 +33,13 @@ import pathlib
 import re
 import shutil
 
+import xxhash
+
 from maxlm import MaxlmError, io
 
 MANIFEST = "manifest.json"
+BLOCK_BYTES = 64 * 2**20  # a token shard's digest block (store.TokenStore checks each once)
+_SHARD = re.compile(r"tokens-\d{5}\.bin")
 _PROBE = ".maxlm-write-probe"
 _OURS = re.compile(r"tokens-\d{5}\.bin|index\.npz|doc_ids\.json|tokenizer\.model|manifest\.json|"
                    r"index\.json|index-\w+\.npy|doc_ids\.bin|" + re.escape(_PROBE))
@@ -149,12 +157,15 @@ class Staging:
                        "refusing to replace it: choose a new or empty folder")
 
   def write(self, name, data):
-    """Writes one file of the new data dir and records its size and sha256."""
+    """Writes one file of the new data dir and records its size and sha256 (and a token
+    shard's block digests)."""
     if not self.local and self.old and not self._manifest_dropped:
       io.delete(io.join(self.dir, MANIFEST))
       self._manifest_dropped = True
     io.write_bytes(io.join(self.dir, name), data)
     self.files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if _SHARD.fullmatch(name):
+      self.files[name].update(block_bytes=BLOCK_BYTES, xxh3_64_blocks=block_digests(data))
 
   def commit(self, manifest):
     """Adds `files` and `fingerprint`, writes manifest.json last and puts the dir in place."""
@@ -192,6 +203,14 @@ class Staging:
       return
     for name in self.files:
       io.delete(io.join(self.dir, name))
+
+
+def block_digests(data, block_bytes=None):
+  """XXH3-64 (hex) of each `block_bytes` of `data` (the last block may be shorter)."""
+  block_bytes = block_bytes or BLOCK_BYTES
+  view = memoryview(data).cast("B")
+  return [xxhash.xxh3_64_hexdigest(view[a:a + block_bytes])
+          for a in range(0, len(view), block_bytes)] or [xxhash.xxh3_64_hexdigest(b"")]
 
 
 def _glob_escape(name):

@@ -24,10 +24,12 @@ index is read whole into memory, as it always was, which is fine at the sizes su
 """
 
 import dataclasses
+import hashlib
 import io as _io
 import json
 
 import numpy as np
+import xxhash
 
 from maxlm import MaxlmError, io
 from maxlm.data import datadir, index_files
@@ -210,19 +212,26 @@ def load_doc_ids(data_dir):
 
 
 class TokenStore:
-  """Random access to `[doc, start:end)` token ranges; pickles cheaply for Grain workers."""
+  """Random access to `[doc, start:end)` token ranges; pickles cheaply for Grain workers.
+
+  Every block of a shard is checked against the manifest (`xxh3_64_blocks`, or the whole
+  file's sha256 for data dirs written before block digests) the first time this process reads
+  from it; a mismatch is one MaxlmError naming the shard and block."""
 
   def __init__(self, data_dir, index=None):
     self.data_dir = str(data_dir)
     self.index = index if index is not None else load_index(self.data_dir)
-    self._maps = {}
+    self._maps, self._checks, self._checked = {}, None, set()
 
-  def __getstate__(self):
-    return {"data_dir": self.data_dir, "index": self.index, "_maps": {}}
+  def __getstate__(self):  # each process checks the blocks it reads itself
+    return {"data_dir": self.data_dir, "index": self.index, "_maps": {}, "_checks": None,
+            "_checked": set()}
 
   def read(self, doc, start, end):
     shard = int(self.index.shard[doc])
     base = int(self.index.offset[doc])
+    if shard not in self._checked:
+      self._check(shard, 4 * (base + start), 4 * (base + end))
     if io.is_local(self.data_dir):
       return self._map(shard)[base + start:base + end]
     data = io.read_range(io.join(self.data_dir, shard_name(shard)), 4 * (base + start),
@@ -236,3 +245,60 @@ class TokenStore:
     if shard not in self._maps:
       self._maps[shard] = np.memmap(io.join(self.data_dir, shard_name(shard)), "<i4", "r")
     return self._maps[shard]
+
+  def _check(self, shard, a, b):
+    """Checks the unchecked blocks holding bytes [a, b) of the shard; once all are, the shard
+    joins `_checked` and reads skip this."""
+    if self._checks is None:
+      self._checks = _shard_checks(self.data_dir)
+    check = self._checks.get(shard)
+    if check is None:  # not listed (an in-memory index in tests): nothing to check against
+      self._checked.add(shard)
+      return
+    for block in range(a // check.block_bytes, max(a, b - 1) // check.block_bytes + 1):
+      if block in check.done:
+        continue
+      lo, hi = block * check.block_bytes, min((block + 1) * check.block_bytes, check.size)
+      if check.digest(self._bytes(shard, lo, hi)) != check.digests[block]:
+        raise MaxlmError(f"data.dir {self.data_dir!r}: {shard_name(shard)} block {block} (bytes "
+                         f"{lo:,}..{hi:,}) does not match its {check.kind} in manifest.json: "
+                         "the file changed after maxlm prepare; re-run maxlm prepare INPUT... "
+                         f"--out {self.data_dir} --overwrite (maxlm check-data lists every "
+                         "changed file)")
+      check.done.add(block)
+    if len(check.done) == len(check.digests):
+      self._checked.add(shard)
+
+  def _bytes(self, shard, lo, hi):
+    if io.is_local(self.data_dir):
+      return self._map(shard).view(np.uint8)[lo:hi]
+    return io.read_range(io.join(self.data_dir, shard_name(shard)), lo, hi)
+
+
+@dataclasses.dataclass
+class _ShardCheck:
+  size: int
+  block_bytes: int
+  digests: list
+  kind: str
+  digest: object  # bytes-like -> hex digest
+  done: set = dataclasses.field(default_factory=set)
+
+
+def _shard_checks(data_dir):
+  """{shard: _ShardCheck} from the manifest (read once per process)."""
+  path = io.join(data_dir, datadir.MANIFEST)
+  files = json.loads(io.read_bytes(path)).get("files", {}) if io.exists(path) else {}
+  checks = {}
+  for name, entry in files.items():
+    if not (name.startswith("tokens-") and name.endswith(".bin")):
+      continue
+    size = int(entry["bytes"])
+    if entry.get("xxh3_64_blocks"):
+      checks[int(name[7:12])] = _ShardCheck(size, int(entry["block_bytes"]),
+                                            entry["xxh3_64_blocks"], "XXH3-64",
+                                            xxhash.xxh3_64_hexdigest)
+    else:  # written before block digests: the whole file is one block
+      checks[int(name[7:12])] = _ShardCheck(size, max(size, 1), [entry["sha256"]], "SHA-256",
+                                            lambda b: hashlib.sha256(b).hexdigest())
+  return checks
