@@ -13,6 +13,7 @@ import typing
 
 import jax
 import numpy as np
+import optax
 import yaml
 
 from maxlm import MaxlmError, config as config_lib
@@ -137,11 +138,11 @@ def _state_shardings(model, opt, mesh, rules, seq_len):
   abstract_params = jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       jax.eval_shape(lambda: build.init_params_abstract(model, seq_len)), params)
-  with mesh:
-    opt_sh = jax.jit(opt.init).lower(abstract_params).compile().output_shardings
   scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  opt_sh = jax.tree_util.tree_map(  # optimizer counters come back on one device: replicate
-      lambda sh: sh if isinstance(sh, jax.sharding.NamedSharding) else scalar, opt_sh)
+  # AdamW's moments are sharded as their parameters, its counters replicated. (XLA left to
+  # choose replicates the moments: zeros_like does not depend on the sharded input.)
+  opt_sh = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, abstract_params),
+                                 params, transform_non_params=lambda _: scalar)
   return {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
 
 
