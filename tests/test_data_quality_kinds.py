@@ -122,7 +122,7 @@ def test_kind_comes_from_flag_record_path_lang_suffix_content_then_web():
   for record, want in cases:
     doc = parse(record)
     assert (doc["kind"], doc["kind_from"]) == want, record
-  python = "\n".join(open(kinds.__file__).read().split("\n")[:60])
+  python = open(kinds.__file__).read()
   inspect = quality.Inspector(quality.QualityConfig(kinds={"forced": "prose"}))
   doc = {"source": "s", "id": "c", "where": "x", **parse({"text": python})}
   assert inspect.kind_of(doc) == ("code", "content")

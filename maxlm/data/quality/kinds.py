@@ -45,8 +45,7 @@ _CODE_LINE = re.compile(
     r"|#[ \t]*(?:include|define|if|ifdef|ifndef|endif|pragma)\b|//|/\*|\*/|[{}]"
     r"|[\w.\[\]\"']+[ \t]*(?:[-+*/%|&^]|<<|>>)?=[ \t]*\S"
     r"|.*(?:[;{}]|\)\s*:|\b(?:else|try|finally)\s*:)[ \t]*$)", re.M)
-_BLANK = re.compile(r"^[ \t]*$", re.M)
-_FENCED = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
+_LONGEST = 200  # characters: a longer line is not counted as a code line
 
 
 def check(kind, where):
@@ -88,11 +87,14 @@ def looks_like_code(text):
   assignment, a call alone on its line, braces or a semicolon at the end, C preprocessor,
   // and /* comments), or it is Python that parses with two or more definitions, imports or
   assignments (for modules that are mostly docstrings and comments)."""
-  head = text[:100_000]
-  if "```" in head or "~~~" in head:
-    head = _FENCED.sub("", head)
-  nonblank = head.count("\n") + 1 - len(_BLANK.findall(head))
-  code = len(_CODE_LINE.findall(head))
+  nonblank = code = 0
+  fenced = False
+  for line in text[:100_000].split("\n"):
+    if line.lstrip().startswith(("```", "~~~")):
+      fenced = not fenced
+    elif line.strip() and not fenced:
+      nonblank += 1
+      code += len(line) <= _LONGEST and bool(_CODE_LINE.match(line))  # a long line is prose
   if code >= 5 and code >= 0.5 * nonblank:
     return True
   return len(_STRONG_PY.findall(text, 0, 20_000)) >= 2 and _parses_as_python(text)

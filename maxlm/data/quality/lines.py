@@ -77,7 +77,7 @@ def _judge(text, t):
 def explain(text, t):
   """([(line, rule or None)] for every line of the text (blank lines None), the document
   rule or None). A line's text is as kept: citations removed, trailing space trimmed."""
-  lines = [CITATION.sub("", line).rstrip() for line in text.split("\n")]
+  lines = [line.rstrip() for line in CITATION.sub("", text).split("\n")]
   verdicts = [None] * len(lines)
   kept = []
   for first, last in paragraphs(lines):
