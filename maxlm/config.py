@@ -176,10 +176,8 @@ class TrainConfig:
   checkpoint_every: int = 50  # >= 1 steps; stage boundaries are always saved
   keep: int = 3  # >= 1; checkpoints kept
   eval_every: int = 50  # >= 0; steps between held-out evaluations (0: only at the end)
-  # >= 1; held-out tokens scored per source at every evaluation, the same text at every stage:
-  # whole documents, a fixed prefix of the source's fixed order (docs/troubleshooting.md)
-  eval_tokens: int = 32768
-  eval_rows: int = 0  # deprecated and ignored (eval_tokens replaced it); old configs still load
+  eval_tokens: int = 32768  # >= 1; held-out tokens per source, the same text at every evaluation
+  eval_rows: int = 0  # >= 0; retired, ignored (train.eval_tokens replaced it): old configs load
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on
   spike_window: int = 32  # >= 0; trailing steps whose loss statistics flag a spike (0: off)
   spike_sigmas: float = 6.0  # > 0; a spike: loss > mean + spike_sigmas * std of that window
@@ -202,7 +200,7 @@ class TrainConfig:
     if self.schedule not in ("cosine", "wsd"):
       raise ConfigError(f"{key}.schedule: expected cosine or wsd, got {self.schedule!r}")
     _above(f"{key}.spike_sigmas", self.spike_sigmas, 0)
-    for name in ("warmup_steps", "eval_every", "spike_window"):
+    for name in ("warmup_steps", "eval_every", "spike_window", "eval_rows"):
       _at_least(f"{key}.{name}", getattr(self, name), 0)
     for name in ("grad_accum", "checkpoint_every", "keep", "eval_tokens"):
       _at_least(f"{key}.{name}", getattr(self, name), 1)
