@@ -156,7 +156,9 @@ def _fails_its_checksums(run_dir, step):
   """True if checkpoint `step` reads back and an array differs from its digest; False if it
   reads back intact or cannot be read at all (then a resume would call it unreadable)."""
   with open(os.path.join(run_dir, "checkpoints", str(step), "meta", "metadata")) as f:
-    want = json.load(f)["integrity"]["arrays"]
+    want = json.load(f).get("integrity", {}).get("arrays")
+  if not want:
+    raise MaxlmError(f"--corrupt: checkpoint {step} was written without checksums")
   try:
     state = _restore_whole(run_dir, step)
   except Exception:  # noqa: BLE001 (unreadable: the flip hit a node or a frame, not data)
