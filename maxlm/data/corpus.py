@@ -3,7 +3,8 @@
 `prose` is the .md/.rst/.txt files and package METADATA (long descriptions) under the
 interpreter's library folders; `code` is the standard library's .py files. Files are taken in
 an order fixed by a hash of their relative path until a byte budget is met, so two machines
-with the same Python and packages build the same corpus.
+with the same Python and packages build the same corpus. Each record names its kind (`prose`
+or `code`), so prepare never takes the docs for web pages (quality/kinds.py).
 """
 
 import hashlib
@@ -50,7 +51,7 @@ def build(out_dir, bytes_per_source=4_000_000):
         continue
       if not text.strip():
         continue
-      lines.append(json.dumps({"id": rel, "source": kind, "text": text}))
+      lines.append(json.dumps({"id": rel, "source": kind, "kind": kind, "text": text}))
       total += len(text)
       if total >= bytes_per_source:
         break
