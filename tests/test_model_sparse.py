@@ -265,7 +265,8 @@ def test_gpu_sparse_check_runs_its_commands_in_dry_run(tmp_path):
 def test_block_selection_memory_grows_linearly_in_length():
   """Forward + backward compiled at 16K and 64K (not run): XLA's temporary buffers grow like
   L (4x), not L^2 (16x), and stay far below one [L, L] f32 array (16 GiB at 64K); the sampled
-  recall's blocks run one at a time, adding little."""
+  recall's blocks run one at a time, adding a fixed amount (their dense key tiles: ~12 MiB here,
+  the same at any L)."""
   def temp_bytes(length, recall_blocks=4):
     shapes = [(1, length, 4, 32), (1, length, 2, 32), (1, length, 2, 32), (1, length, 2, 16),
               (1, length, 2), (1, length, 16)]
@@ -284,4 +285,4 @@ def test_block_selection_memory_grows_linearly_in_length():
   assert large / small < 5, (small, large)
   assert large < 2**30 // 8, large
   without = temp_bytes(65536, recall_blocks=0)
-  assert large < 1.1 * without, (large, without)
+  assert large - without < 2**24, (large, without)
