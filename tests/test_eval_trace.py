@@ -20,8 +20,11 @@ def run(tmp_path_factory, data_dir):  # noqa: F811
                                          spike_window=2, spike_sigmas=0.5)),
                         ["model.z_loss=1e-3", "data.skip_steps=[[7, 8]]", "stages.0.batch=16",
                          "stages.1.batch=16"])
-  loop.train(cfg, log=lambda *_: None)
+  loop.train(cfg, log=LOGGED.append)
   return cfg.run_dir
+
+
+LOGGED = []  # what the fixture's training printed
 
 
 @pytest.mark.parametrize("step", [0, 4, 7, 9, 10])
@@ -89,6 +92,8 @@ def test_every_evaluation_logs_every_source_in_metrics_and_tensorboard(run):
   for r in evals:
     for name in ("prose", "code"):
       assert math.isfinite(r[f"val_loss/{name}"]) and math.isfinite(r[f"val_bpb/{name}"]), r
+  small = [line for line in LOGGED if line.startswith("small held-out set")]
+  assert len(small) == 1 and "code (" in small[0] and "prose (" in small[0], LOGGED
   by_stage = {r["stage"]: r for r in evals}
   assert sorted(by_stage) == [0, 1], "an evaluation at L=32 and one at L=64"
   for name in ("prose", "code"):  # the same text scored at both lengths
