@@ -117,3 +117,27 @@ def test_show_doc_prints_the_cleaned_text_and_the_removed_lines_with_their_rules
   assert segments and all(": web: w" in s for s in segments)
   texts = "\n".join(body for page in pages for body in page.split("\n"))
   assert all(s.split("\n", 1)[1].strip()[:20] in texts for s in segments)
+
+
+def test_kinds_from_a_quality_file_and_the_datatrove_engine_give_the_same_data_dir(tmp_path):
+  code = write_jsonl(tmp_path / "code.jsonl", [{"id": f"c{i}", "text": t} for i, t in
+                                               enumerate(realtext.python_sources(5))])
+  prose = write_jsonl(tmp_path / "prose.jsonl", [
+      {"id": f"p{i}", "text": t} for i, t in enumerate(planted.english_docs(5, words=150))])
+  (tmp_path / "q.yaml").write_text("kinds:\n  prose: prose\n")
+  config = quality.load(str(tmp_path / "q.yaml"))
+  assert config.kinds == {"prose": "prose"}
+  run = lambda name, **kw: prepare.prepare([str(code), str(prose)], str(tmp_path / name),
+                                           vocab_size=400, workers=1, progress=False,
+                                           quality=config, **kw)
+  local = run("local")
+  sources = local["funnel"]["sources"]
+  assert sources["code"]["kinds_from"] == {"content": 5}
+  assert sources["prose"]["kinds"] == {"prose": 5} and sources["prose"]["kinds_from"] == {
+      "flag": 5}
+  try:
+    import datatrove.executor  # noqa: F401
+  except ImportError:
+    return  # the cluster extra is not installed: the local half is all there is to check
+  tasks = run("tasks", engine="datatrove", tasks=2)
+  assert tasks["fingerprint"] == local["fingerprint"]
