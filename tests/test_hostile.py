@@ -115,3 +115,22 @@ def test_os_error_line_reads_wrapped_errors():
   assert cli.os_error_line(OSError(30, "Read-only file system", "/x")) == (
       "Read-only file system (errno 30): /x; the file system is read-only: write elsewhere")
   assert cli.os_error_line(ValueError("a bug")) is None
+
+
+def test_training_on_a_shard_changed_after_prepare_is_one_line(run, demo_data, tmp_path):
+  """Same size, one bit: the manifest's sizes agree, the block digest does not."""
+  import shutil
+  copy = tmp_path / "data"
+  shutil.copytree(demo_data, copy)
+  shard = copy / "tokens-00000.bin"
+  data = bytearray(shard.read_bytes())
+  data[len(data) // 2] ^= 1
+  shard.write_bytes(bytes(data))
+  for workers in (0, 2):
+    proc = maxlm("train", run / "cfg.yaml", f"data.dir={copy}", f"run_dir={tmp_path / 'run'}",
+                 f"data.workers={workers}")
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "internal error" not in proc.stderr, proc.stderr
+    assert "tokens-00000.bin block 0" in line and "does not match its XXH3-64" in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())

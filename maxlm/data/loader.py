@@ -9,6 +9,7 @@ each batch depends only on (s, k), a run may also resume by step alone on anothe
 worker count.
 """
 
+import atexit
 import json
 
 import grain
@@ -106,7 +107,20 @@ def iterator(data, s, host=0, hosts=1, start_step=0, workers=None):
     _absl_flags_parsed()
     it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(
         num_workers=workers, per_worker_buffer_size=data.config.data.prefetch))
+    it = iter(it_ds)
+    atexit.register(_close_quietly, it)
+    return it
   return iter(it_ds)
+
+
+def _close_quietly(it):
+  """Stops a worker iterator before multiprocessing's own exit finalizer does: after a worker
+  raised (a changed shard block, say), Grain's finalizer can race its prefetch thread and print
+  an AttributeError traceback below the command's one-line error."""
+  try:
+    it.close()
+  except Exception:  # noqa: BLE001 (exiting anyway)
+    pass
 
 
 def _absl_flags_parsed():

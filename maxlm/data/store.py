@@ -295,7 +295,7 @@ def _shard_checks(data_dir):
       continue
     size = int(entry["bytes"])
     if entry.get("xxh3_64_blocks"):
-      checks[int(name[7:12])] = _ShardCheck(size, int(entry["block_bytes"]),
+      checks[int(name[7:12])] = _ShardCheck(size, int(entry.get("block_bytes", datadir.BLOCK_BYTES)),
                                             entry["xxh3_64_blocks"], "XXH3-64",
                                             xxhash.xxh3_64_hexdigest)
     else:  # written before block digests: the whole file is one block
