@@ -108,9 +108,9 @@ def small_note(small):
   if not small:
     return ""
   names = ", ".join(f"{name} ({tokens:,} tokens)" for name, tokens in small)
-  return (f"small held-out set, under {SMALL_TOKENS:,} tokens scored: {names}; its loss and "
-          "bits per byte are noisy (more held-out text: `maxlm prepare --val-fraction`, or "
-          "a larger train.eval_tokens)")
+  return (f"small held-out set, under {SMALL_TOKENS:,} tokens scored: {names}; a few "
+          "documents decide its loss and bits per byte (more held-out text: `maxlm prepare "
+          "--val-fraction`, or a larger train.eval_tokens)")
 
 
 def as_metrics(table):
