@@ -41,7 +41,7 @@ def take(index, docs, budget):
     return []
   lengths = np.asarray(index.length)[np.asarray(docs, np.int64)].astype(np.int64)
   fits = int(np.searchsorted(np.cumsum(lengths), budget, "right"))
-  return list(docs[:max(fits, min(1, len(docs)))])
+  return list(docs[:max(fits, 1)])
 
 
 def heldout_docs(index, budget, split=store.VAL):
