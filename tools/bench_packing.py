@@ -14,9 +14,13 @@ with the demo's data settings (overlap 16, lookahead 64, FIM 0.1 on code) and ba
 
 Grain packs the same number of rows as our stage; its input is in memory and untimed (its
 best case), and its padding is over those rows only (not the flush at the end of its input).
-Prints one JSON object.
+`cuts` counts the pieces that end before their document by the boundary they end at
+(in_word: none). With --synthetic N, also planner throughput, this plan and the previous one
+alternating, on tools/bench_planner_scale.py's synthetic index of N documents (L 4096, batch
+64, no boundaries). Prints one JSON object.
 
-  python tools/bench_packing.py [--mb 2] [--data DIR] [--lengths 1024,4096,16384] [--show 2]
+  python tools/bench_packing.py [--mb 3] [--data DIR] [--lengths 1024,4096,16384] [--show 2]
+                                [--synthetic 1000000]
 """
 
 import argparse
@@ -249,13 +253,34 @@ def show_rows(data_dir, L, rows, count):
             f"{text[:60]!r} ... {text[-60:]!r}", file=sys.stderr)
 
 
+def synthetic_throughput(n_docs, old, blocks=12, rounds=3):
+  """Body tokens/s planning `blocks` blocks of 4096 rows of L 4096, best of `rounds`, the two
+  plans alternating in this process."""
+  sys.path.insert(0, str(REPO / "tools"))
+  import bench_planner_scale
+  with tempfile.TemporaryDirectory() as tmp:
+    index = store.load_index(bench_planner_scale.make_index(f"{tmp}/index", n_docs))
+    cfg = bench_planner_scale.make_config(f"{tmp}/index", 4096, 64, blocks * 64)
+    best = {}
+    for _ in range(rounds):
+      for name, module in ((f"v{plan.VERSION}", plan), (f"v{old.VERSION}", old)):
+        t0 = time.perf_counter()
+        planner = module.Planner(index, cfg)
+        body = sum(int((blk.end - blk.start).sum()) for blk in (
+            planner.block(0, b) for b in range(planner.num_blocks(0))))
+        best[name] = max(best.get(name, 0), round(body / (time.perf_counter() - t0)))
+  return {"documents": n_docs, "tokens_per_s": best}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--mb", type=float, default=2.0, help="MB of text per source")
+  ap.add_argument("--mb", type=float, default=3.0, help="MB of text per source")
   ap.add_argument("--data", help="a data dir to make (or reuse) instead of a temporary one")
   ap.add_argument("--lengths", default="1024,4096,16384")
   ap.add_argument("--show", type=int, default=0, help="decode this many rows per L to stderr")
   ap.add_argument("--no-old", action="store_true", help="skip the previous plan version")
+  ap.add_argument("--synthetic", type=int, default=0,
+                  help="also planner throughput on a synthetic index of this many documents")
   args = ap.parse_args(argv)
   with tempfile.TemporaryDirectory() as tmp:
     data_dir = prepared(args.data or f"{tmp}/data", int(args.mb * 1e6))
@@ -268,6 +293,8 @@ def main(argv=None):
       result[str(L)], rows = compare(data_dir, L, old)
       if args.show:
         show_rows(data_dir, L, rows, args.show)
+  if args.synthetic and old is not None:
+    result["synthetic"] = synthetic_throughput(args.synthetic, old)
   print(json.dumps(result, indent=1))
   return 0
 
