@@ -242,8 +242,9 @@ def _parser():
                  help="budget of recommended.yaml (default: the largest budget x 10)")
   p.add_argument("--lr", type=float, default=None,
                  help="one learning rate for every point (default: 1e-3 * sqrt(256 / d_model))")
-  p.add_argument("--eval-rows", type=int, default=128,
-                 help="held-out rows evaluated at each point's end (default: 128)")
+  p.add_argument("--eval-tokens", type=int, default=None,
+                 help="held-out tokens per source scored at each point's end "
+                      "(default: the config's train.eval_tokens)")
 
   p = sub.add_parser("demo", help="the quickstart, on the CPU in a few minutes",
                      description=DEMO_DESCRIPTION)
@@ -290,7 +291,7 @@ def cmd_sweep(args):
   from maxlm import sweep
   sweep.sweep(args.config, args.overrides, sweep.parse_budgets(args.budgets), args.sizes,
               args.out, workers=args.workers, target=args.target_flops, lr=args.lr,
-              eval_rows=args.eval_rows)
+              eval_tokens=args.eval_tokens)
 
 
 def cmd_demo(args):

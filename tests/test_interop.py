@@ -35,7 +35,7 @@ def write_config(path, data_dir, run_dir, **extra):
                     {"seq_len": 64, "batch": 8, "steps": 2, "attention": "blockwise",
                      "block_q": 16, "block_k": 16, "rope": YARN}],
          "model": MODEL, "train": {"lr": 0.01, "warmup_steps": 1, "checkpoint_every": 3,
-                                   "eval_every": 0, "eval_rows": 2}}
+                                   "eval_every": 0, "eval_tokens": 64}}
   for key, value in extra.items():
     raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
   path.write_text(yaml.safe_dump(raw))

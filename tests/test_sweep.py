@@ -116,7 +116,7 @@ def test_recommendation_is_data_limited_when_the_data_cannot_feed_the_compute():
 def _sweep_cmd(demo_data, out, *extra):
   return [sys.executable, "-m", "maxlm.cli", "sweep", "configs/demo.yaml",
           f"data.dir={demo_data}", "stages.0.batch=8", "stages.0.seq_len=64",
-          "--budgets", "2e10", "--sizes", "16x1,24x1,32x1", "--eval-rows", "8",
+          "--budgets", "2e10", "--sizes", "16x1,24x1,32x1", "--eval-tokens", "2048",
           "--out", str(out), *extra]
 
 

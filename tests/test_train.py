@@ -28,7 +28,7 @@ def small_config(tmp, data_dir, **train):
       "model": {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32,
                 "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64, "loss_chunk": 32},
       "train": {"lr": 0.01, "warmup_steps": 2, "checkpoint_every": 3, "eval_every": 4,
-                "eval_rows": 4, **train}}
+                "eval_tokens": 256, **train}}
   path = tmp / "cfg.yaml"
   path.write_text(yaml.safe_dump(raw))
   return path

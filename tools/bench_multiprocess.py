@@ -106,7 +106,7 @@ def main():
          "model": {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32,
                    "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64, "loss_chunk": 32},
          "train": {"lr": 0.01, "warmup_steps": 2, "checkpoint_every": 2, "eval_every": 4,
-                   "eval_rows": 4}}
+                   "eval_tokens": 256}}
   config = os.path.join(work, "cfg.yaml")
   with open(config, "w") as f:
     yaml.safe_dump(raw, f)

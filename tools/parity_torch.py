@@ -50,7 +50,7 @@ MODEL = {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 64, "n_
          "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "d_ff": 128, "loss_chunk": 32}
 TRAIN = {"lr": 3e-3, "warmup_steps": 5, "schedule": "cosine", "min_lr_ratio": 0.1,
          "weight_decay": 0.1, "clip": 0.5, "b1": 0.9, "b2": 0.95, "eps": 1e-8,
-         "eval_every": 0, "eval_rows": 1, "spike_window": 0}
+         "eval_every": 0, "eval_tokens": 64, "spike_window": 0}
 
 
 def prepare_data(root):

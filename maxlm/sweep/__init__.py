@@ -26,13 +26,13 @@ def parse_budgets(text):
 
 
 def sweep(config_path, overrides, budgets, sizes, out, *, workers=1, target=None, lr=None,
-          eval_rows=128, log=print):
+          eval_tokens=None, log=print):
   """Runs (or finishes) the sweep in `out`; returns the summary dict written to sweep.json."""
   if "://" in out:
     raise MaxlmError(f"--out {out}: a sweep writes to a local folder (its runs may still use "
                      "a gs:// data.dir)")
-  if workers < 1 or eval_rows < 1:
-    raise MaxlmError("--workers and --eval-rows must be >= 1")
+  if workers < 1 or (eval_tokens is not None and eval_tokens < 1):
+    raise MaxlmError("--workers and --eval-tokens must be >= 1")
   if target is not None and not 1e6 <= target <= 1e30:
     raise MaxlmError(f"--target-flops: expected a FLOP count in [1e6, 1e30], got {target}")
   if lr is not None and not 0 < lr < 1e3:
@@ -51,7 +51,7 @@ def sweep(config_path, overrides, budgets, sizes, out, *, workers=1, target=None
   held = runner.lock(out)
   try:
     points, vocab, unique = runner.plan_points(base, raw, budgets, shapes_for, out, lr,
-                                               eval_rows)
+                                               eval_tokens)
     runner.check_out(out, points)
     log(f"{len(points)} points over {len(budgets)} budgets in {out}/runs; "
         f"{report.N_CONVENTION}")

@@ -78,7 +78,7 @@ def write_recommended(out, raw, recommendation, vocab, tied, per_step, target):
   if recommendation["rule"].startswith("data-limited"):
     steps = max(1, round(recommendation["tokens"] / per_step))
   cfg = runner._point_config(raw, shape, steps, os.path.join(out, "recommended"), None,
-                             raw["train"]["eval_rows"])
+                             None)
   cfg["stages"][0]["name"] = "recommended"
   cfg["train"]["eval_every"] = max(1, steps // 10)
   cfg["train"]["checkpoint_every"] = raw["train"]["checkpoint_every"]

@@ -85,7 +85,7 @@ def data_facts(base):
   return vocab, int(np.asarray(index.length, np.int64)[train].sum())
 
 
-def plan_points(base, raw, budgets, shapes_for, out, lr, eval_rows):
+def plan_points(base, raw, budgets, shapes_for, out, lr, eval_tokens):
   """Every point of the sweep, in budget then size order. shapes_for(budget) -> [Shape]."""
   vocab, unique = data_facts(base)
   first = base.stages[0]
@@ -103,11 +103,11 @@ def plan_points(base, raw, budgets, shapes_for, out, lr, eval_rows):
       run_dir = os.path.join(out, "runs", name)
       points.append(Point(budget, shape, n, steps, steps * per_step,
                           steps * per_step / unique if unique else float("inf"), run_dir,
-                          _point_config(raw, shape, steps, run_dir, lr, eval_rows)))
+                          _point_config(raw, shape, steps, run_dir, lr, eval_tokens)))
   return points, vocab, unique
 
 
-def _point_config(raw, shape, steps, run_dir, lr, eval_rows):
+def _point_config(raw, shape, steps, run_dir, lr, eval_tokens):
   cfg = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy of plain data
   cfg["run_dir"] = run_dir
   cfg["model"].update(shape.model_keys())
@@ -115,8 +115,10 @@ def _point_config(raw, shape, steps, run_dir, lr, eval_rows):
   cfg["stages"] = [stage]
   cfg["train"].update(lr=width_lr(shape.d_model) if lr is None else lr,
                       warmup_steps=max(1, round(0.05 * steps)), schedule="cosine",
-                      eval_every=steps, eval_rows=eval_rows,
-                      checkpoint_every=max(1, steps // 4), keep=2)
+                      eval_every=steps, checkpoint_every=max(1, steps // 4), keep=2)
+  cfg["train"].pop("eval_rows", None)
+  if eval_tokens is not None:
+    cfg["train"]["eval_tokens"] = eval_tokens
   return cfg
 
 
