@@ -64,14 +64,18 @@ def hard_wrapped(n):
 
 
 def markdown_docs(n):
-  """Up to n markdown or reST files from site-packages and /usr/share/doc, topped up with
-  packages' METADATA long descriptions."""
+  """Up to n markdown or reST files from site-packages and /usr/share/doc (two at most from
+  any one package or doc folder), topped up with packages' METADATA long descriptions."""
   lib = sysconfig.get_paths()["purelib"]
   paths = (glob.glob(f"{lib}/**/*.md", recursive=True) +
            glob.glob(f"{lib}/**/*.rst", recursive=True) +
            glob.glob("/usr/share/doc/**/*.md", recursive=True))
-  out = []
+  out, per_package = [], {}
   for path in _ordered(paths) + _ordered(glob.glob(f"{lib}/*.dist-info/METADATA")):
+    package = (path[len(lib):] if path.startswith(lib) else path).strip("/").split("/")[
+        0 if path.startswith(lib) else 3]  # site-packages/PKG/... or /usr/share/doc/PKG/...
+    if per_package.get(package, 0) >= 2:  # a package's many examples would be the whole set
+      continue
     try:
       text = open(path, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError):
@@ -80,6 +84,7 @@ def markdown_docs(n):
       suffix = os.path.splitext(path)[1] or ".md"
       name = path.split("/")[-2] if path.endswith("METADATA") else os.path.basename(path)
       out.append((f"{len(out):03d}-{os.path.splitext(name)[0]}{suffix}", text))
+      per_package[package] = per_package.get(package, 0) + 1
     if len(out) >= n:
       break
   return out

@@ -65,6 +65,13 @@ def test_hard_wrapped_prose_keeps_its_characters(real):
   assert manifest["funnel"]["sources"]["manpages"]["kinds"] == {"prose": N}
 
 
+def test_markdown_docs_are_prose_and_never_line_cleaned(real):
+  truth, manifest, kept, given, _ = real
+  assert manifest["funnel"]["sources"]["docs"]["kinds"] == {"prose": len(truth["docs"])}
+  docs = [i for i in truth["docs"] if i in kept]
+  assert docs and all(kept[i] == given[i] for i in docs)
+
+
 def test_hard_wrapped_web_pages_keep_their_paragraphs_whole(real):
   truth, _, kept, given, _ = real
   shares = []
