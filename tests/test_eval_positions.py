@@ -8,6 +8,7 @@ from maxlm.data import assemble, loader
 from maxlm.eval import positions
 
 import datagen
+from test_train import data_dir  # noqa: F401 (the data fixture)
 
 
 def test_buckets_are_powers_of_four_from_64_ending_at_the_stage_length():
@@ -97,3 +98,20 @@ def test_documents_are_the_longest_held_out_within_the_budget(tmp_path):
   table = positions.by_position(_position_nll, data, 256, 2, val[0] + val[1])
   assert positions.from_metrics(positions.as_metrics(table)) == {
       n: {b: e["loss"] for b, e in cells.items()} for n, cells in table.items()}
+
+
+def test_every_evaluation_logs_loss_by_position_per_source(tmp_path_factory, data_dir):  # noqa: F811
+  """Training's evaluations (maxlm/train/loop.py) write val_pos_loss/<source>/<bucket>."""
+  from maxlm.train import loop, metrics
+  from test_train import small_config
+  tmp = tmp_path_factory.mktemp("positions")
+  cfg = config_lib.load(str(small_config(tmp, data_dir)))
+  loop.train(cfg, log=lambda *_: None)
+  evals = [r for r in metrics.read_jsonl(cfg.run_dir) if "val_loss" in r]
+  by_stage = {r["stage"]: positions.from_metrics(r) for r in evals}
+  assert sorted(by_stage) == list(range(len(cfg.stages)))
+  for s, stage in enumerate(cfg.stages):
+    names = [positions.bucket_name(*b) for b in positions.buckets(stage.seq_len)]
+    for source in ("prose", "code"):
+      assert list(by_stage[s][source]) == names[:len(by_stage[s][source])]
+      assert all(np.isfinite(v) for v in by_stage[s][source].values())

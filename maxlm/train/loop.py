@@ -18,7 +18,7 @@ import yaml
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import ledger, loader, plan
-from maxlm.eval import bpb
+from maxlm.eval import bpb, positions
 from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import distributed, mesh as mesh_lib, peaks, preemption, watchdog
@@ -330,8 +330,9 @@ def _loss_tokens(data, s, k, consumed):
 
 
 def _evaluate(nll_fn, state, data, stage, mesh, config, log):
-  """The held-out metrics (maxlm/eval/bpb.py); the first evaluation of a process says which
-  sources have too little held-out text to trust."""
+  """The held-out metrics (maxlm/eval/bpb.py) and loss by position (maxlm/eval/positions.py);
+  the first evaluation of a process says which sources have too little held-out text to
+  trust."""
   def nll(batch):
     with mesh:
       return distributed.gather_rows(nll_fn(state["params"], mesh_lib.place_batch(
@@ -340,7 +341,9 @@ def _evaluate(nll_fn, state, data, stage, mesh, config, log):
   if config.run_dir not in _WARNED_SMALL and bpb.small_sources(table):
     _WARNED_SMALL.add(config.run_dir)
     log(bpb.small_note(bpb.small_sources(table)))
-  return bpb.as_metrics(table)
+  by_position = positions.by_position(nll, data, stage.seq_len, stage.batch,
+                                      config.train.eval_tokens)
+  return {**bpb.as_metrics(table), **positions.as_metrics(by_position)}
 
 
 _WARNED_SMALL = set()  # run dirs whose small held-out sets this process has named
