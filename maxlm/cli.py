@@ -123,6 +123,8 @@ def _parser():
   _add_config(p)
   p.add_argument("--json", action="store_true", help="print the ledger as JSON, not a table")
 
+  cli_memory.add_parser(sub, _add_config)
+
   p = sub.add_parser("batches", help="write global (or one host's) batches to an .npz")
   _add_config(p)
   p.add_argument("--stage", type=int, default=0, help="stage index (0 is the first)")
@@ -322,9 +324,22 @@ def enable_compile_cache():
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _parse(parser, argv):
+  """parse_args, with key=value overrides accepted after options too (`maxlm train CFG
+  --stop-after 5 train.lr=1e-3`): argparse ends a positional list at the first option."""
+  args, extra = parser.parse_known_args(argv)
+  late = [a for a in extra if "=" in a and not a.startswith("-")]
+  if late and hasattr(args, "overrides"):
+    args.overrides = [*args.overrides, *late]
+    extra = [a for a in extra if a not in late]
+  if extra:
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+  return args
+
+
 def main(argv=None):
   warnings.filterwarnings("ignore", category=DeprecationWarning)
-  args = _parser().parse_args(argv)
+  args = _parse(_parser(), argv)
   _import_early(args.command)
   with signals.running():
     return _dispatch(args)

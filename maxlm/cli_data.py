@@ -2,12 +2,13 @@
 `ledger`, `batches` and `show-batch` on the plan of a config (their arguments are declared with the
 others in `maxlm.cli`)."""
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 
-from maxlm import MaxlmError, config as config_lib, io
+from maxlm import MaxlmError, config as config_lib, io, outputs
 
 
 def cmd_prepare(args):
@@ -101,7 +102,7 @@ def _show_funnel(manifest, png=None, title="prepare funnel", warnings=True):
 
 def cmd_funnel(args):
   from maxlm.data import store
-  check_suffix("--png", args.png, ".png")
+  check_out_file("--png", args.png, ".png")
   manifest = store.load_manifest(args.data_dir)
   if not manifest.get("funnel"):
     raise MaxlmError(f"{args.data_dir} was prepared by a maxlm without the quality steps: no "
@@ -186,12 +187,34 @@ def cmd_check_data(args):
         f"(fingerprint {manifest['fingerprint'][:12]})")
 
 
-def check_suffix(flag, path, suffix):
-  """The file a command writes ends in its format's suffix: the library would otherwise append
-  one (a file other than the one named) or refuse the name."""
-  if path is not None and not path.lower().endswith(suffix):
+def check_out_file(flag, path, suffix):
+  """The file a command writes ends in its format's suffix (the library would otherwise append
+  one, a file other than the one named, or refuse the name), and lands on nothing the user
+  needs (maxlm/outputs.py)."""
+  if path is None:
+    return
+  if not path.lower().endswith(suffix):
     raise MaxlmError(f"{flag} {path}: give a file name ending in {suffix} (the file written is "
                      f"{suffix[1:].upper()})")
+  if io.is_local(path):
+    outputs.check_file_output(flag, path)
+
+
+@contextlib.contextmanager
+def writing(path):
+  """A temporary name beside `path` (same suffix) to write, renamed to `path` once written:
+  whole or not at all, and a full disk or read-only folder is one line naming `path`."""
+  tmp = f"{path}.tmp-{os.getpid()}{os.path.splitext(path)[1]}"
+  try:
+    ensure_parent(path)
+    yield tmp
+    os.replace(tmp, path)
+  except OSError as e:
+    raise MaxlmError(f"cannot write {path}: {e.strerror or e}"
+                     + (f" (errno {e.errno})" if e.errno else "")) from None
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def ensure_parent(path):
@@ -241,31 +264,31 @@ def attention_mode(stage):
 def cmd_batches(args):
   import numpy as np
   from maxlm.data import loader
-  check_suffix("--out", args.out, ".npz")
+  check_out_file("--out", args.out, ".npz")
   cfg, data = _open_data(args)
   _check_step(cfg, args.stage, args.step, args.count)
   ds = loader.stage_dataset(data, args.stage, args.host_index, args.hosts)
   steps = range(args.step, args.step + args.count)
   arrays = loader.stack([ds[k] for k in steps])
   prov = loader.provenance_json(data, args.stage, steps, args.host_index, args.hosts)
-  ensure_parent(args.out)
-  np.savez(args.out, provenance=np.array(prov), **arrays)
+  with writing(args.out) as tmp, open(tmp, "wb") as f:
+    np.savez(f, provenance=np.array(prov), **arrays)
   shape = arrays["inputs"].shape
   print(f"wrote {args.out}: {shape[0]} batches x {shape[1]} rows x {shape[2]} positions")
 
 
 def cmd_show_batch(args):
   from maxlm.data import loader, show
-  check_suffix("--out", args.out, ".png")
+  check_out_file("--out", args.out, ".png")
   cfg, data = _open_data(args)
   _check_step(cfg, args.stage, args.step)
   batch = loader.stage_dataset(data, args.stage)[args.step]
   row = show.busiest_row(batch) if args.row is None else args.row
   if not 0 <= row < len(batch["inputs"]):
     raise MaxlmError(f"--row {row}: the batch has rows 0..{len(batch['inputs']) - 1}")
-  ensure_parent(args.out)
   pieces = data.provenance(data.global_batch_pieces(args.stage, args.step))[row]
-  show.save_row_png(batch, row, args.out, f"stage {args.stage} step {args.step}", pieces)
+  with writing(args.out) as tmp:
+    show.save_row_png(batch, row, tmp, f"stage {args.stage} step {args.step}", pieces)
   print(f"wrote {args.out}")
   if getattr(args, "text", False):
     _print_row_text(data, batch, row, pieces)

@@ -8,11 +8,14 @@ Folders are recognised by their markers, never by their names:
             it, config.json with a "maxlm" section beside generation_config.json; and nothing
             in the folder but the files an export writes
 
-`check_output` resolves the path through symlinks and `..` first, so `RUN/../RUN/checkpoints`
-or a link to a data dir is what it points at. It refuses (one line) an output that is an input
-of the same command, holds one, or lies inside a run dir or data dir; and an existing non-empty
-folder unless `overwrite` is given and the folder is of the kind the command writes, so
-`--overwrite` replaces a previous output of the same command and nothing else.
+`check_output` (an output folder) resolves the path through symlinks and `..` first, so
+`RUN/../RUN/checkpoints` or a link to a data dir is what it points at. It refuses (one line) an
+output that is an input of the same command, holds one, or lies inside a run dir or data dir;
+and an existing non-empty folder unless `overwrite` is given and the folder is of the kind the
+command writes, so `--overwrite` replaces a previous output of the same command and nothing
+else. `check_file_output` does the same for one file (a picture, an .npz of batches), which
+may sit at a run dir's top level (`maxlm plot` draws RUN_DIR/curves.png) but never in its
+checkpoints or in a data dir.
 """
 
 import json
@@ -97,4 +100,22 @@ def check_output(flag, out, kind, inputs=(), overwrite=False):
       odd = [n for n in names if kind != EXPORT or not _EXPORT_FILES.fullmatch(n)] or names
       raise MaxlmError(f"{flag} {out} is not a previous {kind} of maxlm (it holds {odd[0]!r}): "
                        "--overwrite replaces only that; choose a new or empty folder")
+  return real
+
+
+def check_file_output(flag, path, inputs=()):
+  """Refuses a file output (a PNG, an .npz) that resolves to an input of the command, into a
+  data dir, or into a run dir's checkpoints; returns its resolved path. A run dir's top level
+  stays writable: `maxlm plot` draws RUN_DIR/curves.png by default."""
+  real = os.path.realpath(path)
+  for name, given in inputs:
+    if real == os.path.realpath(given):
+      raise MaxlmError(f"{flag} {path} is {name}, which this command reads: write elsewhere")
+  if os.path.isdir(real):
+    raise MaxlmError(f"{flag} {path} is a folder; give a file name")
+  found = enclosing(os.path.dirname(real))
+  if found and (found[1] == DATA_DIR or _inside(real, os.path.join(found[0], "checkpoints"))):
+    part = "the data dir" if found[1] == DATA_DIR else "the checkpoints of the run dir"
+    raise MaxlmError(f"{flag} {path} lies inside {part} {found[0]}: refusing to write there; "
+                     "choose another place")
   return real

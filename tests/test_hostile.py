@@ -134,3 +134,48 @@ def test_training_on_a_shard_changed_after_prepare_is_one_line(run, demo_data, t
     assert "tokens-00000.bin block 0" in line and "does not match its XXH3-64" in line, line
     assert not (tmp_path / "run" / "checkpoints").exists() or not any(
         p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_overrides_are_accepted_after_options(run):
+  before = maxlm("ledger", run / "cfg.yaml", "stages.0.steps=2", "--json")
+  after = maxlm("ledger", run / "cfg.yaml", "--json", "stages.0.steps=2")
+  assert before.returncode == after.returncode == 0, after.stderr
+  assert json.loads(after.stdout) == json.loads(before.stdout)
+  assert json.loads(after.stdout)["stages"][0]["rows"] == 16
+  bad = maxlm("ledger", run / "cfg.yaml", "--json", "stages.0.steps=2", "--bogus")
+  assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
+  bad = maxlm("eval", run / "run", "--json", "x=1")  # no overrides there: still refused
+  assert bad.returncode == 2 and "unrecognized arguments: x=1" in bad.stderr
+
+
+def test_file_outputs_never_land_in_a_data_dir_or_checkpoints(run, demo_data, tmp_path):
+  data = tmp_path / "data"
+  import shutil
+  shutil.copytree(demo_data, data)
+  before = sorted((p.name, p.stat().st_size) for p in data.iterdir())
+  cfg, ckpts = run / "cfg.yaml", run / "run" / "checkpoints"
+  for args, words in (
+      (["plot", run / "run", "--out", data / "tokenizer.model"], ("ending in .png",)),
+      (["plot", run / "run", "--out", data / "x.png"], ("lies inside the data dir",)),
+      (["plot", run / "run", "--out", f"{ckpts}/../checkpoints/2/x.png"],
+       ("lies inside the checkpoints of the run dir",)),
+      (["batches", cfg, f"data.dir={data}", "--out", data / "index.npz"],
+       ("lies inside the data dir",)),
+      (["show-batch", cfg, "--out", data / "row.png"], ("lies inside the data dir",))):
+    one_line_error(maxlm(*args), *words)
+  assert sorted((p.name, p.stat().st_size) for p in data.iterdir()) == before
+  ok = maxlm("plot", run / "run")  # the run dir's top level stays its own
+  assert ok.returncode == 0 and (run / "run" / "curves.png").exists(), ok.stderr
+
+
+def test_a_file_output_is_whole_or_absent(tmp_path):
+  from maxlm import MaxlmError, cli_data
+  target = tmp_path / "b.npz"
+  target.write_bytes(b"old")
+  with pytest.raises(MaxlmError, match=r"cannot write .*b.npz: No space left on device "
+                                       r"\(errno 28\)"):
+    with cli_data.writing(str(target)) as tmp:
+      with open(tmp, "wb") as f:
+        f.write(b"half")
+      raise OSError(28, "No space left on device")
+  assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["b.npz"]
