@@ -12,15 +12,19 @@ with the demo's data settings (overlap 16, lookahead 64, FIM 0.1 on code) and ba
 - grain_pieces_*: the same packers on exactly our planner's pieces (shuffled), and on the
   section-aware pieces our cutter makes before any row filling (`chunk.cut` at L).
 
-Grain packs the same number of rows as our stage; its input is in memory and untimed (its
-best case), and its padding is over those rows only (not the flush at the end of its input).
+Grain packs the same number of rows as our stage, from elements made in memory beforehand,
+untimed (its best case); its padding is over those rows only (not the flush at the end of its
+input), its tokens/s are non-padding positions per second of packing. Ours are body tokens per
+second of planning (lengths only; tools/bench_loader.py times reading and assembly too).
 `cuts` counts the pieces that end before their document by the boundary they end at
-(in_word: none). With --synthetic N, also planner throughput, this plan and the previous one
-alternating, on tools/bench_planner_scale.py's synthetic index of N documents (L 4096, batch
-64, no boundaries). Prints one JSON object.
+(in_word: none). With --sections, also the seconds per MB finding boundaries (sections.py,
+today's and the previous plan's) and the index entries per token they make. With
+--synthetic N, also planner throughput, this plan and the previous one alternating, on
+tools/bench_planner_scale.py's synthetic index of N documents (L 4096, batch 64, no
+boundaries). Prints one JSON object.
 
   python tools/bench_packing.py [--mb 3] [--data DIR] [--lengths 1024,4096,16384] [--show 2]
-                                [--synthetic 1000000]
+                                [--overlap 32] [--fim-rate 0] [--sections] [--synthetic 1000000]
 """
 
 import argparse
@@ -272,6 +276,31 @@ def synthetic_throughput(n_docs, old, blocks=12, rounds=3):
   return {"documents": n_docs, "tokens_per_s": best}
 
 
+def boundary_cost(bytes_per_source, data_dir):
+  """Seconds per MB finding the boundaries (sections.py, today's and the previous plan's) of the
+  same corpus, and the index entries they add per token of data_dir."""
+  from maxlm.data import sections
+  old = types.ModuleType("sections_old")
+  exec(compile(subprocess.run(["git", "show", f"{OLD_PLAN}:maxlm/data/sections.py"], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout,
+               "sections_old.py", "exec"), old.__dict__)
+  with tempfile.TemporaryDirectory() as raw:
+    docs = [json.loads(line) for path in build_corpus(raw, bytes_per_source)
+            for line in open(path)]
+  mb = sum(len(d["text"].encode()) for d in docs) / 1e6
+  out = {"mb": round(mb, 2)}
+  for name, module in (("today", sections), ("previous", old)) * 2:
+    t0 = time.perf_counter()
+    count = sum(len(module.boundaries(d["text"], "code" if d["source"] == "code" else "prose"))
+                for d in docs)
+    out[f"{name}_s_per_mb"] = round(min(out.get(f"{name}_s_per_mb", 1e9),
+                                        (time.perf_counter() - t0) / mb), 4)
+    out[f"{name}_boundaries"] = count
+  index = store.load_index(data_dir)
+  out["index_entries_per_token"] = round(len(index.bound_pos) / int(index.length.sum()), 4)
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--mb", type=float, default=3.0, help="MB of text per source")
@@ -279,20 +308,30 @@ def main(argv=None):
   ap.add_argument("--lengths", default="1024,4096,16384")
   ap.add_argument("--show", type=int, default=0, help="decode this many rows per L to stderr")
   ap.add_argument("--no-old", action="store_true", help="skip the previous plan version")
+  ap.add_argument("--overlap", type=int, help="data.overlap instead of the demo's 16")
+  ap.add_argument("--fim-rate", type=float, help="data.fim.rate instead of the demo's 0.1")
+  ap.add_argument("--sections", action="store_true",
+                  help="also the cost of finding boundaries, today's and the previous")
   ap.add_argument("--synthetic", type=int, default=0,
                   help="also planner throughput on a synthetic index of this many documents")
   args = ap.parse_args(argv)
+  if args.overlap is not None:
+    DATA_SETTINGS["overlap"] = args.overlap
+  if args.fim_rate is not None:
+    DATA_SETTINGS["fim"] = {**DATA_SETTINGS["fim"], "rate": args.fim_rate}
   with tempfile.TemporaryDirectory() as tmp:
     data_dir = prepared(args.data or f"{tmp}/data", int(args.mb * 1e6))
     index = store.load_index(data_dir)
     result = {"documents": int(len(index.pool_docs)), "tokens": int(index.pool_tokens.sum()),
               "sources": list(index.sources), "batch": BATCH, "bins": BINS,
-              "plan_version": plan.VERSION}
+              "plan_version": plan.VERSION, "data": DATA_SETTINGS}
     old = None if args.no_old else old_plan_module()
     for L in map(int, args.lengths.split(",")):
       result[str(L)], rows = compare(data_dir, L, old)
       if args.show:
         show_rows(data_dir, L, rows, args.show)
+    if args.sections:
+      result["sections"] = boundary_cost(int(args.mb * 1e6), data_dir)
   if args.synthetic and old is not None:
     result["synthetic"] = synthetic_throughput(args.synthetic, old)
   print(json.dumps(result, indent=1))

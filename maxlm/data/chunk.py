@@ -69,11 +69,10 @@ def _between(bound_pos, lo, hi):
 
 def _best_cut(pos, limit, lowest, bound_pos, bound_level, slack):
   a, b = _between(bound_pos, max(lowest, pos + 1), limit)
-  levels = bound_level[a:b]
-  for level in COARSE:
-    hits = np.flatnonzero(levels == level)
-    if len(hits):
-      return int(bound_pos[a + hits[-1]])
+  coarse = [(lvl, p) for p, lvl in zip(bound_pos[a:b].tolist(), bound_level[a:b].tolist())
+            if lvl in COARSE]
+  if coarse:
+    return max(coarse)[1]  # the last section, else the last paragraph
   end, level = fill_end(pos, limit, bound_pos, bound_level, slack)
   if level is None and b > a:
     return int(bound_pos[b - 1])  # a fine boundary short of the slack beats a cut in a word

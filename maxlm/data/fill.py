@@ -228,9 +228,10 @@ class Pool:
     for start, end, ctx in chunk.cut(n, first, last, pos, lvl, self.p.seq_len + 1 - reserve,
                                      self.p.overlap, self.p.min_cut,
                                      chunk.slack(self.p.seq_len)):
-      mode = (first_mode if start == first else int(
-          fim.modes(self.p.seed, doc, start, self.epoch, self.p.fim_rate, self.p.fim_spm)))
-      mode = mode if (ctx == 0 and reserve and not self.p.index.is_chat[doc]) else fim.NONE
+      mode = fim.NONE  # FIM only for a piece without context, where FIM may apply
+      if ctx == 0 and reserve and not self.p.index.is_chat[doc]:
+        mode = (first_mode if start == first else int(
+            fim.modes(self.p.seed, doc, start, self.epoch, self.p.fim_rate, self.p.fim_spm)))
       size = chunk.positions(int(start == 0), ctx, end - start, int(end == n), mode)
       pieces.append((self.index, doc, start, end, ctx, mode, size))
     return pieces
