@@ -377,6 +377,30 @@ def test_export_on_a_full_disk_writes_nothing(trained, tmp_path, monkeypatch):
   assert list(tmp_path.iterdir()) == []
 
 
+def test_export_default_is_the_newest_intact_checkpoint(trained, tmp_path, monkeypatch):
+  """A damaged newest checkpoint (a parameter unreadable or off its checksum) is skipped by
+  the default, said in one line; asked for by --step, it is an error."""
+  tmp, cfg, out = trained
+  read = run_reader.RunCheckpoint._read
+
+  def damaged_6(self, path):
+    if self.step == 6 and path[-1] == "kernel":
+      raise run_reader.Damaged(f"checkpoint 6 of {self.run_dir} is corrupt: parameter "
+                               f"{'/'.join(path)} does not match its checksum")
+    return read(self, path)
+  monkeypatch.setattr(run_reader.RunCheckpoint, "_read", damaged_6)
+  lines = []
+  done = export.export(cfg.run_dir, str(tmp_path / "e"), with_tokenizer=False,
+                       shard_bytes=100_000, log=lines.append)
+  assert done["step"] == 4 and json.loads((tmp_path / "e" / "maxlm-export.json").read_text())[
+      "origin"]["step"] == 4
+  assert any("checkpoint 6 of" in l and "exporting checkpoint 4, the newest before it" in l
+             for l in lines), lines
+  with pytest.raises(run_reader.Damaged, match="checkpoint 6 of .* does not match"):
+    export.export(cfg.run_dir, str(tmp_path / "f"), step=6, with_tokenizer=False, log=quiet)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]
+
+
 def test_init_from_checks_export_digests_and_refuses_non_finite_weights(trained, tmp_path):
   from safetensors.numpy import load_file, save_file
   tmp, cfg, out = trained

@@ -50,19 +50,23 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   config = source.config
   target = _check_out(out, overwrite, run_dir, config.data.dir)
   special, proto = _tokenizer(config, with_tokenizer)
-  hf = hf_config.llama_config(config, source.meta, source.vocab, special, dtype)
   tmp = f"{target}.tmp-{os.getpid()}"
   _remove_stale(target, log)
   try:
-    try:
-      os.makedirs(tmp)
-      files, total = write_model(tmp, hf, special, source, dtype, shard_bytes)
-      if proto is not None:
-        tokenizer.write(tmp, proto, special, hf["max_position_embeddings"])
-      write_digests(tmp, {"run_dir": os.path.abspath(run_dir), "step": source.step})
-    except (OSError, SafetensorError) as e:
-      raise MaxlmError(f"--out {out}: cannot write the export ({_why(e)}); nothing was "
-                       "written there: free space or choose another folder") from None
+    while True:
+      hf = hf_config.llama_config(source.config, source.meta, source.vocab, special, dtype)
+      try:
+        files, total = _write_folder(tmp, hf, special, source, dtype, shard_bytes, proto)
+        break
+      except run_reader.Damaged as e:  # the default is the newest intact checkpoint
+        older = [s for s in source.steps if s < source.step]
+        if step is not None or not older:
+          raise
+        log(f"{e}: exporting checkpoint {older[-1]}, the newest before it")
+        source = run_reader.RunCheckpoint(run_dir, older[-1], log=log)
+      except (OSError, SafetensorError) as e:
+        raise MaxlmError(f"--out {out}: cannot write the export ({_why(e)}); nothing was "
+                         "written there: free space or choose another folder") from None
     _put_in_place(tmp, target, out, overwrite)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -72,6 +76,17 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   return {"out": out, "step": source.step, "stage": hf["maxlm"]["stage"], "files": files,
           "tensors": len(source.names()), "bytes": total,
           "seconds": time.perf_counter() - t0}
+
+
+def _write_folder(tmp, hf, special, source, dtype, shard_bytes, proto):
+  """The whole export into `tmp` (made afresh); returns (safetensors files, bytes)."""
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  files, total = write_model(tmp, hf, special, source, dtype, shard_bytes)
+  if proto is not None:
+    tokenizer.write(tmp, proto, special, hf["max_position_embeddings"])
+  write_digests(tmp, {"run_dir": os.path.abspath(source.run_dir), "step": source.step})
+  return files, total
 
 
 def _check_out(out, overwrite, run_dir, data_dir=None):

@@ -60,7 +60,7 @@ class RunCheckpoint:
       self.state_dir = io.join(io.join(ckpts.dir, str(step)), "state")
     finally:
       ckpts.close()
-    self.step, self.meta = step, meta
+    self.step, self.meta, self.steps = step, meta, sorted(steps)
     self.config = config_lib.from_dict(meta["config"])
     self.vocab = int(meta["vocab"])
     self.model_cfg = dataclasses.replace(self.config.model, vocab_size=self.vocab)
@@ -101,16 +101,20 @@ class RunCheckpoint:
       array = np.ascontiguousarray(store.read().result())
     except Exception as e:  # noqa: BLE001 (TensorStore: a damaged or missing chunk)
       first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-      raise MaxlmError(f"checkpoint {self.step} of {self.run_dir}: parameter "
-                       f"{'/'.join(path)} is unreadable ({first})") from None
+      raise Damaged(f"checkpoint {self.step} of {self.run_dir}: parameter "
+                    f"{'/'.join(path)} is unreadable ({first})") from None
     want = self.digests.get(key)
     if want is None:
       if self.digests:
         self.unverified.append(key)
     elif integrity.array_digests({"x": array})["['x']"] != want:
-      raise MaxlmError(f"checkpoint {self.step} of {self.run_dir} is corrupt: parameter "
-                       f"{'/'.join(path)} does not match its checksum")
+      raise Damaged(f"checkpoint {self.step} of {self.run_dir} is corrupt: parameter "
+                    f"{'/'.join(path)} does not match its checksum")
     return array
+
+
+class Damaged(MaxlmError):
+  """A parameter of the checkpoint is unreadable or fails its checksum."""
 
 
 def jax_keystr(path):
@@ -136,5 +140,5 @@ def _open_array(state_dir, fmt, keys):
   try:
     return ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True).result()
   except Exception as e:  # noqa: BLE001 (TensorStore's errors: not found, unreadable)
-    raise MaxlmError(f"cannot read parameter {'/'.join(keys[1:])} from {state_dir}: "
-                     f"{str(e).splitlines()[0][:200]}") from None
+    raise Damaged(f"cannot read parameter {'/'.join(keys[1:])} from {state_dir}: "
+                  f"{str(e).splitlines()[0][:200]}") from None
