@@ -115,3 +115,24 @@ def test_every_evaluation_logs_loss_by_position_per_source(tmp_path_factory, dat
     for source in ("prose", "code"):
       assert list(by_stage[s][source]) == names[:len(by_stage[s][source])]
       assert all(np.isfinite(v) for v in by_stage[s][source].values())
+
+
+def test_plot_draws_one_curve_per_stage_against_log_position():
+  from maxlm.train import plot, plot_positions
+  rows = [{"step": 0, "stage": 0, "loss": 5.0},
+          {"step": 1, "stage": 0, "loss": 4.0, "val_loss": 4.0,
+           **positions.as_metrics({"a": {"0-64": {"tokens": 30, "loss": 4.0},
+                                         "64-256": {"tokens": 10, "loss": 3.0}},
+                                   "b": {"0-64": {"tokens": 10, "loss": 2.0}}})},
+          {"step": 2, "stage": 1, "loss": 3.5, "val_loss": 3.0,
+           **positions.as_metrics({"a": {"0-64": {"tokens": 30, "loss": 3.0},
+                                         "64-256": {"tokens": 10, "loss": 2.5},
+                                         "256-1024": {"tokens": 5, "loss": 2.0}}})}]
+  assert plot_positions.curves(rows) == {
+      0: [(0, 64, (4.0 * 30 + 2.0 * 10) / 40), (64, 256, 3.0)],
+      1: [(0, 64, 3.0), (64, 256, 2.5), (256, 1024, 2.0)]}
+  fig = plot.figure(rows, {0: "s256 (L=256)", 1: "s1024 (L=1024)"})
+  (ax,) = [a for a in fig.axes if a.get_title(loc="left") == plot_positions.TITLE]
+  assert [line.get_label() for line in ax.lines] == ["s256 (L=256)", "s1024 (L=1024)"]
+  assert ax.get_xscale() == "log" and list(ax.lines[1].get_ydata()) == [3.0, 2.5, 2.0]
+  assert not plot_positions.present(rows[:1])

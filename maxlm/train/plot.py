@@ -8,8 +8,10 @@ change moves the loss; red crosses on the steps training flagged as spikes, whic
 one curve per source across the stages from its `val_loss/<source>` / `val_bpb/<source>` keys:
 every evaluation scores the same text, maxlm/eval/bpb.py; a source with under
 bpb.SMALL_TOKENS tokens held out is flagged in the legend), learning rate, gradient and
-parameter norms, the largest attention logit, and MFU with tokens/s. Dashed lines mark stage
-boundaries, labelled with the stage's name (or index) and L. A resumed run logs recomputed
+parameter norms, the largest attention logit, and MFU with tokens/s; last, when evaluations
+logged it, held-out loss against log position, one curve per stage
+(maxlm/train/plot_positions.py). Dashed lines mark stage boundaries, labelled with the stage's
+name (or index) and L. A resumed run logs recomputed
 steps again: the last row of each step wins. The first step a process runs in a stage includes
 compiling it, so its MFU and tokens/s are left out of their panel (found in file order: a step
 that does not follow the previous row's step in the same stage).
@@ -26,7 +28,7 @@ import yaml  # noqa: E402
 
 from maxlm import MaxlmError, io  # noqa: E402
 from maxlm.eval import bpb  # noqa: E402
-from maxlm.train import metrics  # noqa: E402
+from maxlm.train import metrics, plot_positions  # noqa: E402
 
 PANELS = ("loss", "val_loss", "val_bpb", "lr", "norms", "max_logit", "mfu")
 TITLES = {"loss": "training loss", "val_loss": "held-out loss per token",
@@ -78,7 +80,14 @@ def figure(rows, labels=None, title=""):
   """The matplotlib figure of these metrics rows (one axes per name in PANELS)."""
   rows = step_rows(rows)
   labels = labels or {}
-  fig, axes = plt.subplots(len(PANELS), 1, figsize=(10, 2.4 * len(PANELS)), sharex=True)
+  extra = plot_positions.present(rows)  # its own x axis (position): not shared
+  fig, axes = plt.subplots(len(PANELS) + extra, 1, figsize=(10, 2.4 * (len(PANELS) + extra)))
+  if extra:
+    plot_positions.draw(axes[-1], rows, labels)
+    axes = axes[:-1]
+  for ax in axes[:-1]:
+    ax.sharex(axes[-1])
+    ax.tick_params(labelbottom=False)
   ax_of = dict(zip(PANELS, axes))
   for name, ax in ax_of.items():
     ax.set_title(TITLES[name], fontsize=9, loc="left")
