@@ -28,10 +28,12 @@ def cmd_eval(args):
   table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, budget, split)
   if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
+  from maxlm.eval import long_eval  # loss by position; passkey retrieval with --passkey
+  extra = long_eval.evaluate(args, nll, data, config, s, mesh, model, params, budget, split)
   if args.json:
     print(json.dumps(bpb.jsonable({
         "step": step, "stage": s, "seq_len": stage.seq_len, "split": args.split,
-        "eval_tokens": budget, "small_tokens": bpb.SMALL_TOKENS, **table})))
+        "eval_tokens": budget, "small_tokens": bpb.SMALL_TOKENS, **table, **extra})))
     return
   print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split: per source, "
         f"whole documents within {budget:,} tokens, the same text at every stage "
@@ -45,6 +47,7 @@ def cmd_eval(args):
   if bpb.small_sources(table):
     print("* " + bpb.small_note(bpb.small_sources(table)))
   print("bits/byte = nll / ln 2 / bytes; loss/token = nll / tokens")
+  print("\n".join(long_eval.format_text(extra)))
 
 
 def cmd_trace(args):

@@ -1,0 +1,93 @@
+"""`maxlm eval`'s long-context columns: held-out loss by position per source (always:
+maxlm/eval/positions.py) and, with --passkey, the passkey retrieval grid and its heatmap
+(maxlm/eval/passkey.py)."""
+
+from maxlm import MaxlmError, io
+
+
+def add_arguments(p):
+  p.add_argument("--passkey", action="store_true",
+                 help="also score passkey retrieval: keys hidden at depths 0/25/50/75/100%% of "
+                      "held-out text, prompts of powers of two up to the stage's L; --json adds "
+                      "passkey: {length: {depth: accuracy}}; heatmap in --passkey-png")
+  p.add_argument("--passkey-lengths", metavar="N,N,...",
+                 help="prompt lengths in tokens (default: 128, 256, ... up to the stage's L)")
+  p.add_argument("--passkey-samples", type=int, default=4, help="prompts per cell (default 4)")
+  p.add_argument("--passkey-seed", type=int, default=0, help="chooses keys and haystacks")
+  p.add_argument("--passkey-png", help="heatmap file (default: RUN_DIR/passkey.png)")
+
+
+def lengths(args, seq_len):
+  """The --passkey-lengths, checked against the stage's L."""
+  from maxlm.eval import passkey
+  if not args.passkey_lengths:
+    found = passkey.lengths_up_to(seq_len)
+    if not found:
+      raise MaxlmError(f"--passkey: the stage's L={seq_len} is shorter than the shortest "
+                       f"passkey prompt ({passkey.SHORTEST} tokens)")
+    return found
+  try:
+    out = sorted({int(n) for n in args.passkey_lengths.split(",")})
+  except ValueError:
+    raise MaxlmError(f"--passkey-lengths: expected integers separated by commas, got "
+                     f"{args.passkey_lengths!r}") from None
+  bad = [n for n in out if not passkey.SHORTEST <= n <= seq_len]
+  if bad:
+    raise MaxlmError(f"--passkey-lengths: {bad[0]} is outside [{passkey.SHORTEST}, {seq_len}] "
+                     f"(the stage's L)")
+  return out
+
+
+def evaluate(args, nll, data, config, s, mesh, model, params, budget, split):
+  """{"positions": {...}, "passkey": {...} with --passkey}; writes the heatmap."""
+  from maxlm.eval import positions
+  stage = config.stages[s]
+  out = {"positions": positions.by_position(nll, data, stage.seq_len, stage.batch, budget,
+                                            split)}
+  if getattr(args, "passkey", False):  # (callers without the --passkey flags)
+    if args.passkey_samples < 1:
+      raise MaxlmError(f"--passkey-samples must be >= 1, got {args.passkey_samples}")
+    grid = passkey_grid(args, data, config, s, mesh, model, params, split)
+    png = args.passkey_png or io.join(args.run_dir, "passkey.png")
+    from maxlm.eval import passkey
+    passkey.save_png(grid, png, f"{args.run_dir}: stage {s} (L={stage.seq_len}), "
+                     f"{args.passkey_samples} prompts per cell, seed {args.passkey_seed}")
+    out["passkey"], out["passkey_png"] = grid, png
+  return out
+
+
+def passkey_grid(args, data, config, s, mesh, model, params, split):
+  import jax
+  from maxlm.data import tokenizer
+  from maxlm.eval import passkey
+  from maxlm.parallel import mesh as mesh_lib
+  stage = config.stages[s]
+  sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
+  stream = passkey.haystack_tokens(data, split)
+  if not len(stream):
+    raise MaxlmError(f"--passkey: the data has no {args.split} text to build haystacks from")
+  prompts = passkey.build(sp.encode, data.special.bos, stream, lengths(args, stage.seq_len),
+                          samples=args.passkey_samples, seed=args.passkey_seed)
+  fn = jax.jit(passkey.make_predict(model, config.rules))
+
+  def predict(batch, where):
+    with mesh:
+      return jax.device_get(fn(params, mesh_lib.place_batch(batch, mesh, config.rules),
+                               where))
+  return passkey.score(predict, prompts, stage.seq_len, stage.batch)
+
+
+def format_text(extra):
+  """Lines for the console: loss by position per source, then the passkey grid."""
+  lines = []
+  for source, cells in extra["positions"].items():
+    parts = ", ".join(f"{b} {e['loss']:.3f} ({e['tokens']:,})" for b, e in cells.items())
+    lines.append(f"loss by position, {source}: {parts}")
+  if "passkey" in extra:
+    grid = extra["passkey"]
+    depths = sorted({d for row in grid.values() for d in row}, key=int)
+    lines.append("passkey accuracy  " + "".join(f"{d + '%':>7}" for d in depths))
+    for n in sorted(grid, key=int):
+      lines.append(f"  {int(n):>9,} tokens" + "".join(f"{grid[n][d]:>7.2f}" for d in depths))
+    lines.append(f"wrote {extra['passkey_png']}")
+  return lines
