@@ -175,8 +175,11 @@ def _parser():
                       "train.eval_tokens)")
   p.add_argument("--json", action="store_true",
                  help="print {step, stage, seq_len, split, eval_tokens, small_tokens, sources: "
-                      "{name: {documents, tokens, bytes, nll, loss, bpb, small}}, all: {...}} "
-                      "as JSON, not a table (bpb = nll / ln 2 / bytes)")
+                      "{name: {documents, tokens, bytes, nll, loss, bpb, small}}, all: {...}, "
+                      "positions: {name: {bucket: {tokens, loss}}}} as JSON, not a table "
+                      "(bpb = nll / ln 2 / bytes; buckets: maxlm/eval/positions.py)")
+  from maxlm.eval import long_eval
+  long_eval.add_arguments(p)
 
   p = sub.add_parser("trace", help="a step's loss per document, replayed exactly from a "
                      "checkpoint; or the loss spikes training flagged")

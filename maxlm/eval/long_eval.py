@@ -12,7 +12,7 @@ def add_arguments(p):
                       "passkey: {length: {depth: accuracy}}; heatmap in --passkey-png")
   p.add_argument("--passkey-lengths", metavar="N,N,...",
                  help="prompt lengths in tokens (default: 128, 256, ... up to the stage's L)")
-  p.add_argument("--passkey-samples", type=int, default=4, help="prompts per cell (default 4)")
+  p.add_argument("--passkey-samples", type=int, default=4, help="prompts per cell")
   p.add_argument("--passkey-seed", type=int, default=0, help="chooses keys and haystacks")
   p.add_argument("--passkey-png", help="heatmap file (default: RUN_DIR/passkey.png)")
 
