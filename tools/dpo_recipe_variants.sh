@@ -5,6 +5,7 @@
 # (the demo's data dir), e.g. the repository after `maxlm demo`:
 #   bash tools/dpo_recipe_variants.sh "0 200000" "2 200000" "3 250000"
 set -euo pipefail
+export TQDM_DISABLE=1  # prepare's progress bars
 mkdir -p runs/doc/variants
 cat > runs/doc/variants/pre.yaml <<'YAML'
 run_dir: runs/doc/variants/pre
