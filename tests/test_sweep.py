@@ -185,3 +185,17 @@ def test_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path):
                                        r"\(errno 28\); free space"):
     report.write_whole(str(target), "new" * 100_000)
   assert target.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["sweep.json"]
+
+
+def test_out_never_lands_in_a_run_dir_or_data_dir(tmp_path):
+  data, run = tmp_path / "data", tmp_path / "run"
+  data.mkdir()
+  (data / "manifest.json").write_text("{}")
+  (run / "checkpoints").mkdir(parents=True)
+  (run / "config.yaml").write_text("seed: 0\n")
+  for out, message in ((data, "is the data dir"), (data / "sw", "lies inside the data dir"),
+                       (run, "is the run dir"), (run / "sw", "lies inside the run dir")):
+    with pytest.raises(MaxlmError, match=f"--out .* {message} .*: a sweep writes its own runs"):
+      sweep_lib.sweep("never-read.yaml", [], [1e10], "32x2", str(out))
+  assert sorted(p.name for p in data.iterdir()) == ["manifest.json"]
+  assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]

@@ -65,8 +65,9 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
         log(f"{e}: exporting checkpoint {older[-1]}, the newest before it")
         source = run_reader.RunCheckpoint(run_dir, older[-1], log=log)
       except (OSError, SafetensorError) as e:
+        fix = "free space or choose" if "o space left" in _why(e) else "choose"
         raise MaxlmError(f"--out {out}: cannot write the export ({_why(e)}); nothing was "
-                         "written there: free space or choose another folder") from None
+                         f"written there: {fix} another folder") from None
     _put_in_place(tmp, target, out, overwrite)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -11,7 +11,7 @@ training stack we know of ships this as a command, and its parts are small.
 
 import os
 
-from maxlm import MaxlmError
+from maxlm import MaxlmError, outputs
 from maxlm.sweep import fit, grid, report, runner
 
 
@@ -39,6 +39,11 @@ def sweep(config_path, overrides, budgets, sizes, out, *, workers=1, target=None
     raise MaxlmError(f"--lr: expected a learning rate > 0, got {lr}")
   if os.path.exists(out) and not os.path.isdir(out):
     raise MaxlmError(f"--out {out} is a file; pass a folder")
+  found = outputs.enclosing(out)
+  if found:
+    where = "is" if found[0] == os.path.realpath(out) else "lies inside"
+    raise MaxlmError(f"--out {out} {where} the {found[1]} {found[0]}: a sweep writes its own "
+                     "runs and reports; choose a folder outside any run dir or data dir")
   if lr is None:  # a train.lr= override fixes the rate too
     lr = _override_lr(overrides)
   base, raw = runner.base_config(config_path, overrides)
