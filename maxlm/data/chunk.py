@@ -69,10 +69,11 @@ def _between(bound_pos, lo, hi):
 
 def _best_cut(pos, limit, lowest, bound_pos, bound_level, slack):
   a, b = _between(bound_pos, max(lowest, pos + 1), limit)
-  coarse = [(lvl, p) for p, lvl in zip(bound_pos[a:b].tolist(), bound_level[a:b].tolist())
-            if lvl in COARSE]
-  if coarse:
-    return max(coarse)[1]  # the last section, else the last paragraph
+  levels = bound_level[a:b]
+  coarse = np.flatnonzero(levels > 0)
+  if len(coarse):
+    sections = coarse[levels[coarse] == max(COARSE)]
+    return int(bound_pos[a + (sections[-1] if len(sections) else coarse[-1])])
   end, level = fill_end(pos, limit, bound_pos, bound_level, slack)
   if level is None and b > a:
     return int(bound_pos[b - 1])  # a fine boundary short of the slack beats a cut in a word

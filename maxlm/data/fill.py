@@ -8,8 +8,9 @@ sources in order of deficit, taking a piece only while every source stays within
 of its quota. When no waiting piece fits the room left, it cuts a waiting piece of a document
 longer than a row (one being cut anyway) so that its head fills the room: at the coarsest
 boundary within `chunk.slack(L)` tokens of the room's end (section, paragraph, line, sentence,
-word), else inside a word; the rest waits in its place, with the `data.overlap` tokens before
-it as loss-masked context. This is what keeps padding under what Grain's BestFit leaves on
+word), else the nearest within 4 slacks, else (trying another such piece first, and only for a
+room over 4 slacks) inside a word; the rest waits in its place, with the `data.overlap` tokens
+before it as loss-masked context. This is what keeps padding under what Grain's BestFit leaves on
 the same pieces (docs/performance.md, tools/bench_packing.py); Grain's packers cannot cut an
 element, so they can only choose among whole pieces.
 """
@@ -25,7 +26,7 @@ from maxlm.data import chunk, fim, pairs, permute
 
 CHUNK = 4096  # permutation positions evaluated at a time
 
-MIN_FILL = 8
+MIN_FILL = 8  # the fewest body tokens a fill cut places (`min_fill`)
 FILL_TRIES = 8  # waiting pieces of cut documents a fill cut considers, oldest first
 
 # A piece: (pool, doc, start, end, ctx, fim_mode, positions).
@@ -293,6 +294,8 @@ def _pick(pools, active, row, space, taken, q, largest):
     # a row always opens: with the least straying head of a source not ahead of its quota
     # (so no source ever gets more than one piece ahead)
     return (i, *pools[i].head(), None)
+  if space + 1 < pools[order[0]].p.min_fill:
+    return None
   for i in order:
     seq, piece, rest = pools[i].fill_cut(space)
     if piece is not None and fits(i, piece[END] - piece[START]):

@@ -27,7 +27,8 @@ plans every row before the target, at the planner's throughput (docs/performance
 
 VERSION names the plan: the same (data, config, stage, step) gives the same batch only under
 the same version. v1 (before the memory-mapped index) drew numpy permutations; v2 draws
-`permute`'s; v3 cuts at fine boundaries and cuts waiting pieces to fill rows (`fill`). A checkpoint records its snapshot's version and resumes only under it (`check_resume`).
+`permute`'s; v3 cuts at fine boundaries and cuts waiting pieces to fill rows (`fill`). A
+checkpoint records its snapshot's version and resumes only under it (`check_resume`).
 """
 
 import collections
@@ -213,10 +214,9 @@ class Planner:
     return np.array([mix.get(n, 0.0) / total for n in names])
 
   def _plan_block(self, s, b):
-    first = b * self.block_rows
-    rows, self.largest = fill.pack_rows(self.pools, min(self.block_rows, self.stage_rows(s) - first),
-                                        self.seq_len, self.quotas[s].tolist(), self.taken,
-                                        self.largest)
+    n_rows = min(self.block_rows, self.stage_rows(s) - b * self.block_rows)
+    rows, self.largest = fill.pack_rows(self.pools, n_rows, self.seq_len,
+                                        self.quotas[s].tolist(), self.taken, self.largest)
     return self._to_block(s, b, rows)
 
   def _to_block(self, s, b, rows):
