@@ -4,9 +4,11 @@ Reads JSON Lines (`text` or chat `messages`, optional `id` and `source`), plain 
 and code files, and files matching an `as_text` glob as plain text, from the files walk.py
 yields. Each document gets a `kind` and `kind_from` (quality/kinds.py: a record's `kind`, a
 path-like field with a code suffix, a programming `lang`, the file's suffix; else `web` for a
-JSON Lines text record, to be refined by the quality steps' content check). Each rejected document is counted in a `Report`
-by reason (non_utf8, empty, malformed_json, missing_text, bad_messages, bad_unicode) with a few
-examples (all with --verbose); the Report also holds walk.py's skipped counts and renamed ids.
+JSON Lines text record, to be refined by the quality steps' content check). Each rejected
+document is counted in a `Report` by reason (non_utf8, empty, malformed_json, missing_text,
+bad_messages, bad_unicode) with a few examples (all with --verbose), and passed to its
+`listener` (prepare's --rejected list); the Report also holds walk.py's skipped counts and
+renamed ids.
 
 Two choices on bad input:
 - Text, an id or a source holding a lone UTF-16 surrogate (JSON such as "\\ud800", which is

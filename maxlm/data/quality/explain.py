@@ -55,7 +55,7 @@ def explain(docs, doc_id, config):
     if text is None:
       return kind, kind_from, [], verdict
     if kind == "web" and config.filters and verdict["step"] not in ("language",):
-      judged, doc_rule, _ = lines.explain(text, config.thresholds)
+      judged = lines.explain(text, config.thresholds)[0]
     else:
       judged = [(line, None) for line in text.split("\n")]
     return kind, kind_from, judged, verdict
