@@ -86,6 +86,10 @@ def test_a_source_that_loses_most_is_warned_about_and_strict_refuses_it(tmp_path
   fine = maxlm("prepare", code, prose, "--vocab-size", 400, "--workers", 1, "--strict",
                "--out", tmp_path / "fine")
   assert fine.returncode == 0, fine.stderr
+  typo = maxlm("prepare", code, prose, "--vocab-size", 400, "--workers", 1, "--strict",
+               "--kind", "cod=code", "--out", tmp_path / "typo")
+  assert typo.returncode == 2 and typo.stderr.splitlines()[-1].endswith(
+      "--kind cod=code: no source is named 'cod' (the sources: code, prose)")
 
 
 def test_show_doc_prints_the_cleaned_text_and_the_removed_lines_with_their_rules(tmp_path):

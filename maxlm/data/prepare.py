@@ -149,7 +149,7 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
       spill, report.funnel = _select(inputs, report, quality, workers, progress, listed,
                                      spill_dir, engine, tasks, inspect_dir)
       report.quality = dataclasses.asdict(quality)
-      _warn(report.funnel, strict, log)
+      _warn(report.funnel, strict, log, quality)
     report.rejected_list = listed
     return _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers,
                     progress, spill)
@@ -162,9 +162,12 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
       os.unlink(spill)
 
 
-def _warn(funnel, strict, log):
-  """The funnel's warnings (quality/funnel.py), logged, or with `strict` the first as an
-  error."""
+def _warn(funnel, strict, log, quality):
+  """The funnel's warnings (quality/funnel.py), and a `--kind` naming no source, logged, or
+  with `strict` the first as an error."""
+  known = ", ".join(funnel.sources) or "none"
+  funnel.notes = [f"--kind {name}={kind}: no source is named {name!r} (the sources: {known})"
+                  for name, kind in quality.kinds.items() if name not in funnel.sources]
   found = funnel.as_json()["warnings"]
   if strict and found:
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""

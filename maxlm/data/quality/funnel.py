@@ -113,6 +113,7 @@ class Funnel:
     self.sources = {}
     self.kept_tokens = 0
     self.source_tokens = {}  # source -> kept tokens, set once the doc index is written
+    self.notes = []  # warnings that are not about one source's losses (e.g. an unknown --kind)
 
   @property
   def input(self):
@@ -140,7 +141,7 @@ class Funnel:
     out["sources"] = {name: c.as_json(self.source_tokens.get(name), None if
                                       self.source_tokens.get(name) else per)
                       for name, c in self.sources.items()}
-    out["warnings"] = warnings(out)
+    out["warnings"] = self.notes + warnings(out)
     return out
 
 
