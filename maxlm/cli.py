@@ -12,7 +12,7 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import warnings  # noqa: E402
 
-from maxlm import MaxlmError, cli_data, cli_run, config as config_lib  # noqa: E402
+from maxlm import MaxlmError, cli_data, cli_memory, cli_run, config as config_lib  # noqa: E402
 
 
 def _add_config(p):
@@ -307,7 +307,8 @@ def cmd_demo(args):
 COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "show-doc": cli_data.cmd_show_doc,
             "check-data": cli_data.cmd_check_data,
-            "ledger": cli_data.cmd_ledger, "batches": cli_data.cmd_batches,
+            "ledger": cli_data.cmd_ledger, "memory": cli_memory.cmd_memory,
+            "batches": cli_data.cmd_batches,
             "show-batch": cli_data.cmd_show_batch, "train": cmd_train,
             "plot": cli_run.cmd_plot, "verify-restart": cmd_verify_restart,
             "eval": cli_run.cmd_eval, "trace": cli_run.cmd_trace,

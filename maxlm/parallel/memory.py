@@ -1,44 +1,142 @@
-"""A per-device memory estimate for a stage of a config on n devices, before renting them.
+"""A per-device memory estimate for a stage of a config on n devices, before renting them
+(`maxlm memory CONFIG`), and XLA's own accounting of the compiled train step to check it.
 
-Counted, per device, from the config alone:
-  state        float32 parameters, their gradients, and AdamW's two moments (16 bytes per
-               parameter), each divided over the mesh axes its logical axes map to;
-  activations  what the backward pass keeps: with `remat: full` each layer's input
-               ([rows, L, d_model] in the compute dtype) plus one layer's working set while it
-               is recomputed; `dots` / `dots_no_batch` keep the matmul outputs of every layer
-               too; `none` keeps every layer's working set. A layer's working set is taken as
-               float32 [rows, L, 4 d_model + 3 d_ff + 2 (heads + kv heads) head_dim];
-  logits       one `loss_chunk` of float32 logits and their gradient.
-It ignores XLA's temporary buffers and fragmentation, so a config should leave ~25% of the
-device's memory free beyond it (tests/test_launch.py checks the shipped configs that way).
+Counted per device, from the config alone (D d_model, F d_ff, h and k the query and KV heads a
+device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
+  params       float32 parameters, each divided over the mesh axes its logical axes map to;
+  optimizer    AdamW's two float32 moments, sharded as their parameters (8 bytes a parameter);
+  gradients    float32, as the parameters; twice with grad_accum > 1 (the running sum too);
+  activations  what the backward pass keeps of every layer, by `model.remat`, in the compute
+               dtype: `none` every intermediate, 7D + 3(h + k)hd + 5F a position; `full` the
+               layer's input, D; `dots` / `dots_no_batch` the matmul outputs, 2D + (h+2k)hd + 2F;
+  working      the backward pass's live set for one layer (recomputed first under remat), in
+               float32: W_F F + W_A (h + k)hd + W_D D a position, the W fitted per policy
+               to XLA's accounting (below), plus under fsdp one layer's gathered weights;
+  attention    temporaries beyond that: `reference` attention's [rows, h, L, L] float32 scores
+               (kept per layer under remat none); under context parallelism the all-gathered K
+               and V, and q, k, v and the output (and their gradients) at full length, which
+               the zigzag permutation of the sequence (attention/context.py) makes;
+               the tiled implementations' O(L x tile) blocks are within `working`;
+  logits       the loss's chunk of float32 logits [rows, loss_chunk, vocab] (three live copies)
+               and d(hidden) [N, D]; it peaks at another moment than `working` + `attention`, so
+               the total counts the larger of the two.
+DPO stages add a frozen float32 reference copy of the parameters (counted in `params`).
+Sparse-attention stages' indexer is not counted.
+
+The check: `tools/bench_memory.py` compiles the train step on fake CPU devices for sizes, remat
+policies and fsdp / tensor / context splits and compares (docs/performance.md states the worst
+ratio; tests/test_parallel_memory.py holds a few cases within 25%). XLA on CPU, float32 models:
+an accelerator's compiler fuses and schedules differently, so leave headroom (tests/test_launch.py
+asks the shipped configs to fit in 75% of a device).
 """
 
 import math
 
 import numpy as np
 
+from maxlm import MaxlmError, config as config_lib
 from maxlm.parallel import mesh as mesh_lib
-from maxlm import config as config_lib
+
+# the backward pass's live set per position (float32 elements): (W_F, W_A, W_D) per remat
+# policy, fitted to XLA's accounting by tools/bench_memory.py
+WORKING = {"none": (10.0, 2.0, 6.0), "full": (9.0, 4.0, 9.0), "dots": (8.0, 4.0, 4.0),
+           "dots_no_batch": (8.0, 4.0, 4.0)}
+LOGIT_COPIES = 3
+PARTS = ("params", "optimizer", "gradients", "activations", "working", "attention", "logits")
 
 
-def estimate(config, s, n_devices, vocab):
-  """{part: bytes per device} and "total" for stage s of config on n_devices."""
-  from maxlm.model import build
+def estimate(config, s, n_devices, vocab, platform=None):
+  """{part: bytes per device} for stage s of config on n_devices, and "total"."""
+  from maxlm.model import attention as attention_lib, build
   stage, m = config.stages[s], config.model
   shape = dict(zip(config_lib.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, n_devices)))
   ways = lambda name: int(np.prod([shape[a] for a in config.rules.get(name, ())] or [1]))
-  per_device = 0
-  for _, dims, names in build.param_axes(config, vocab):
-    per_device += math.prod(dims) / math.prod(ways(n) if n else 1 for n in names)
+  axes = build.param_axes(config, vocab)
+  count = sum(math.prod(dims) / math.prod(ways(n) if n else 1 for n in names)
+              for _, dims, names in axes)
+  layer_weights = _layers_gathered(axes, config.rules, shape) / m.n_layers
   rows = stage.batch // config.train.grad_accum / ways("batch")
   length = stage.seq_len / ways("length")
-  act = np.dtype(m.dtype).itemsize if m.dtype != "bfloat16" else 2
-  width = 4 * m.d_model + 3 * m.d_ff + 2 * (m.n_heads + m.n_kv_heads) * m.head_dim
-  working = rows * length * width * 4
-  kept = {"full": rows * length * m.d_model * act,
-          "dots": rows * length * width * act, "dots_no_batch": rows * length * width * act,
-          "none": working}[m.remat]
-  parts = {"state": 16 * per_device,
-           "activations": m.n_layers * kept + (working if m.remat != "none" else 0),
-           "logits": 2 * 4 * min(m.loss_chunk, rows * length) * vocab}
-  return {**parts, "total": sum(parts.values())}
+  n = rows * length
+  cdt = 2 if m.dtype == "bfloat16" else 4
+  d, f, hd = m.d_model, m.d_ff / ways("act_mlp"), m.head_dim
+  h, k = m.n_heads / ways("act_heads"), m.n_kv_heads / ways("act_kv_heads")
+  saved = {"none": 7 * d + 3 * (h + k) * hd + 5 * f, "full": d,
+           "dots": 2 * d + (h + 2 * k) * hd + 2 * f}[m.remat.replace("dots_no_batch", "dots")]
+  w_f, w_a, w_d = WORKING[m.remat]
+  impl = attention_lib.resolve(stage.attention, platform, stage.seq_len)
+  scores = rows * h * length * stage.seq_len * 4 if impl == "reference" and shape[
+      "context"] == 1 else 0
+  kv = zigzag = 0
+  if shape["context"] > 1:  # K and V all-gathered; q, k, v and the output (and their
+    kv = 2 * rows * stage.seq_len * k * hd * cdt  # gradients) permuted at full length
+    zigzag = 2 * rows * stage.seq_len * 2 * (h + k) * hd * cdt
+  kept = (scores + kv) if m.remat == "none" else 0
+  dpo = config.train.objective == "dpo"
+  parts = {"params": 4 * count * (2 if dpo else 1), "optimizer": 8 * count,
+           "gradients": 4 * count * (2 if config.train.grad_accum > 1 else 1),
+           "activations": m.n_layers * (n * saved * cdt + kept),
+           "working": n * (w_f * f + w_a * (h + k) * hd + w_d * d) * 4 + 4 * layer_weights,
+           "attention": scores + kv + zigzag,
+           "logits": (LOGIT_COPIES * rows * min(m.loss_chunk, length) * vocab / ways("act_vocab")
+                      * 4 + n * d * cdt)}
+  peak = max(parts["working"] + parts["attention"], parts["logits"])
+  state = parts["params"] + parts["optimizer"] + parts["gradients"]
+  return {**parts, "state": state, "total": state + parts["activations"] + peak}
+
+
+def _layers_gathered(axes, rules, shape):
+  """Parameters of all layers a device holds once fsdp has gathered them (0 without fsdp)."""
+  if shape["fsdp"] == 1:
+    return 0
+  ways = lambda name: int(np.prod([shape[a] for a in rules.get(name, ()) if a != "fsdp"] or [1]))
+  return sum(math.prod(dims) / math.prod(ways(n) if n else 1 for n in names)
+             for path, dims, names in axes if path.startswith("layer"))
+
+
+def compiled(config, s, n_devices, vocab):
+  """XLA's accounting of stage s's compiled train step (language-model objective) on the
+  first n_devices devices: {arguments, outputs, aliased, temporaries, total} bytes a device,
+  total = arguments + outputs not aliased to the donated state + temporaries."""
+  import jax
+  from maxlm.model import build
+  from maxlm.train import loop, optimizer, step as step_lib
+  if n_devices > len(jax.devices()):
+    raise MaxlmError(f"--devices {n_devices}: this machine has {len(jax.devices())} "
+                     "(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes more)")
+  stage = config.stages[s]
+  mesh = mesh_lib.make_mesh(stage.mesh, jax.devices()[:n_devices])
+  model = build.model_for(config, s, mesh, vocab)
+  opt, schedule = optimizer.make(config.train, sum(st.num_steps for st in config.stages))
+  shardings = loop._state_shardings(model, opt, mesh, config.rules, stage.seq_len)
+  state = jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+      jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
+                                                          stage.seq_len)), shardings)
+  row = jax.ShapeDtypeStruct((stage.batch, stage.seq_len), np.int32,
+                             sharding=mesh_lib.batch_sharding(mesh, config.rules))
+  batch = dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask"), row)
+  step = jax.jit(step_lib.make_train_step(model, opt, schedule, config.rules, model.cfg,
+                                          config.train.grad_accum), donate_argnums=0)
+  with mesh:
+    stats = step.lower(state, batch).compile().memory_analysis()
+  out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+         "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
+          + out["temporaries"]}
+
+
+def format_table(config, estimates, n_devices):
+  """The estimate per stage as a table, in GiB per device."""
+  names = [p for p in PARTS] + ["total"]
+  lines = [f"per-device memory estimate on {n_devices} device(s), GiB (maxlm/parallel/memory.py)",
+           f"{'stage':<10}{'mesh':<14}" + "".join(f"{p:>12}" for p in names)]
+  for i, est in enumerate(estimates):
+    stage = config.stages[i]
+    shape = mesh_lib.mesh_shape(stage.mesh, n_devices)
+    mesh = "x".join(str(x) for x in shape)
+    lines.append(f"{stage.name or i!s:<10}{mesh:<14}"
+                 + "".join(f"{est[p] / 2**30:>12.3f}" for p in names))
+  lines.append("mesh is data x fsdp x tensor x context; total = params + optimizer + gradients + "
+               "activations + the larger of (working + attention) and logits")
+  return "\n".join(lines)

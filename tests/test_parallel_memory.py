@@ -1,0 +1,52 @@
+"""The memory estimate (maxlm/parallel/memory.py) against XLA's accounting of the compiled train
+step on fake CPU devices, and the `maxlm memory` command."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from maxlm import config as config_lib
+from maxlm.parallel import memory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BASE = ["model.size=demo", "model.dtype=float32", "model.vocab_size=1024", "model.loss_chunk=256",
+        "stages.0.seq_len=256", "stages.0.batch=16", "stages.0.block_q=128",
+        "stages.0.block_k=128", "model.n_layers=2"]
+
+
+@pytest.mark.parametrize("devices, overrides", [
+    (1, ["model.remat=none"]),
+    (4, ["model.remat=full", "stages.0.mesh.data=1", "stages.0.mesh.fsdp=4"]),
+    (4, ["model.remat=dots", "stages.0.mesh.data=2", "stages.0.mesh.tensor=2"]),
+    (4, ["model.remat=full", "stages.0.mesh.data=2", "stages.0.mesh.context=2"]),
+], ids=["none", "fsdp4-full", "tensor2-dots", "context2-full"])
+def test_estimate_is_within_a_quarter_of_xla(devices, overrides):
+  cfg = config_lib.load(str(ROOT / "configs/demo.yaml"), [*BASE, *overrides])
+  xla = memory.compiled(cfg, 0, devices, 1024)
+  est = memory.estimate(cfg, 0, devices, 1024, platform="cpu")
+  assert 0.75 <= est["total"] / xla["total"] <= 1.25, (est, xla)
+  # the state is exact: the arguments are the parameters and AdamW's moments, sharded alike
+  # (under fsdp XLA had replicated the moments, tripling the state a device holds)
+  assert est["params"] + est["optimizer"] == pytest.approx(xla["arguments"], rel=0.01)
+
+
+def test_memory_command_prints_every_stage(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "memory", "configs/demo.yaml",
+                         "model.vocab_size=4096", "--devices", "2", "--platform", "cpu",
+                         "--json"], capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  out = json.loads(proc.stdout)
+  assert out["devices"] == 2 and len(out["stages"]) == 3
+  for entry in out["stages"]:
+    est = entry["estimate"]
+    assert set(est) >= {*memory.PARTS, "total"} and est["total"] > est["params"] > 0
+  table = subprocess.run([sys.executable, "-m", "maxlm.cli", "memory", "configs/demo.yaml",
+                          "model.vocab_size=4096", "--devices", "2"], capture_output=True,
+                         text=True, cwd=ROOT)
+  assert table.returncode == 0 and "s1024" in table.stdout and "activations" in table.stdout
+  bad = subprocess.run([sys.executable, "-m", "maxlm.cli", "memory", "configs/demo.yaml",
+                        f"data.dir={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
+  assert bad.returncode == 2 and "vocabulary size is unknown" in bad.stderr
