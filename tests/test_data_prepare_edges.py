@@ -219,3 +219,105 @@ def test_cli_prints_reasons_names_and_one_line_errors(tmp_path, tok):
   assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
   assert "already holds files; pass --overwrite" in proc.stderr
   assert cli(root, "--out", out, "--tokenizer", tok, "--overwrite").returncode == 0
+
+
+def test_deep_json_and_unusable_ids_and_sources_are_rejected_per_reason(tmp_path, tok):
+  src = tmp_path / "in.jsonl"
+  src.write_text("\n".join(good_lines(10) + [
+      "[" * 5000 + "]" * 5000,  # nested past the parser's limit: one line, not an abort
+      '{"text": ' + "[" * 3000 + "]" * 3000 + "}",
+      json.dumps({"source": 5, "text": PANGRAM}),
+      json.dumps({"source": ["a"], "text": PANGRAM}),
+      json.dumps({"source": True, "text": PANGRAM}),
+      json.dumps({"id": {"x": 1}, "text": PANGRAM}),
+      json.dumps({"id": 7, "text": PANGRAM * 2})]))  # a numbered record is fine
+  listed = tmp_path / "rejected.jsonl"
+  manifest = run([src], tmp_path / "out", tok, rejected=str(listed),
+                 quality=prepare.quality_lib.OFF)
+  counts = {k: v for k, v in manifest["rejected"].items() if v}
+  assert counts == {"too_deep": 2, "bad_source": 3, "bad_id": 1}
+  assert list(manifest["sources"]) == ["in"] and documents(manifest) == 11
+  assert "7" in store.load_doc_ids(str(tmp_path / "out"))
+  rows = [json.loads(line) for line in listed.read_text().splitlines()]
+  assert sorted(r["rule"] for r in rows) == ["bad_id"] + ["bad_source"] * 3 + ["too_deep"] * 2
+
+
+def test_a_full_disk_under_rejected_is_one_line_and_leaves_the_old_list(tmp_path, tok,
+                                                                        monkeypatch):
+  import errno
+  from maxlm.data.quality import funnel
+  src = tmp_path / "in.jsonl"
+  src.write_text("\n".join(good_lines(10) + ["not json"] * 5))
+  listed = tmp_path / "rejected.jsonl"
+  listed.write_text("the list of an earlier run\n")
+
+  class FullDisk:  # a file system that takes one line, then is full
+    def __init__(self, path, mode):
+      self.file, self.lines = open(path, mode), 0
+
+    def write(self, text):
+      self.lines += 1
+      if self.lines > 1:
+        raise OSError(errno.ENOSPC, "No space left on device")
+      return self.file.write(text)
+
+    def close(self):
+      self.file.close()
+
+  monkeypatch.setattr(funnel, "open", FullDisk, raising=False)
+  with pytest.raises(MaxlmError) as e:
+    run([src], tmp_path / "out", tok, rejected=str(listed), quality=prepare.quality_lib.OFF)
+  assert f"--rejected {listed}" in str(e.value) and "No space left" in str(e.value)
+  assert len(str(e.value).splitlines()) == 1
+  assert listed.read_text() == "the list of an earlier run\n"
+  assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "rejected.jsonl"]  # no litter, no --out
+
+
+def test_workers_are_capped_by_cores_and_memory_with_a_note(monkeypatch):
+  from maxlm.data import workers
+  notes = []
+  monkeypatch.setattr(workers, "cores", lambda: 4)
+  monkeypatch.setattr(workers, "available_bytes", lambda: 64 * workers.WORKER_BYTES)
+  assert workers.count(10**9, notes.append) == 4 and "capped at 4 (4 cores)" in notes[-1]
+  assert workers.count(3, notes.append) == 3 and workers.count(None, notes.append) == 4
+  assert len(notes) == 1
+  monkeypatch.setattr(workers, "available_bytes", lambda: 2 * workers.WORKER_BYTES + 1)
+  assert workers.count(4, notes.append) == 2 and "GiB available" in notes[-1]
+  monkeypatch.setattr(workers, "available_bytes", lambda: 0)
+  assert workers.count(None, notes.append) == 1
+
+
+_POOL_SCRIPT = """
+import os, signal, sys
+from maxlm.data import datadir, workers
+staging = datadir.Staging(sys.argv[1])
+workers.lock_files.add(staging._lock_file)
+with workers.pool(2) as pool:
+  ignored = pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN
+  print(ignored, *[w.pid for w in pool._pool], flush=True)
+  sys.stdin.read()
+"""
+
+
+def test_a_killed_prepare_leaves_no_worker_and_no_lock_held(tmp_path):
+  import signal
+  import time
+  proc = subprocess.Popen([sys.executable, "-c", _POOL_SCRIPT, str(tmp_path / "out")],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  ignored, *pids = proc.stdout.readline().split()
+  assert ignored == "True" and len(pids) == 2  # a worker ignores Ctrl-C: the parent stops it
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  from maxlm.data import datadir
+  datadir.Staging(tmp_path / "out").abort()  # the lock is free at once: no worker holds it
+
+  def alive(pid):
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] not in "ZX"
+    except FileNotFoundError:
+      return False
+  give_up = time.monotonic() + 60  # the orphans' SIGTERM is the kernel's, at the parent's death
+  while any(map(alive, pids)) and time.monotonic() < give_up:
+    time.sleep(0.05)
+  assert not any(map(alive, pids))

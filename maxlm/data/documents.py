@@ -5,10 +5,11 @@ and code files, and files matching an `as_text` glob as plain text, from the fil
 yields. Each document gets a `kind` and `kind_from` (quality/kinds.py: a record's `kind`, a
 path-like field with a code suffix, a programming `lang`, the file's suffix; else `web` for a
 JSON Lines text record, to be refined by the quality steps' content check). Each rejected
-document is counted in a `Report` by reason (non_utf8, empty, malformed_json, missing_text,
-bad_messages, bad_unicode) with a few examples (all with --verbose), and passed to its
-`listener` (prepare's --rejected list); the Report also holds walk.py's skipped counts and
-renamed ids.
+document is counted in a `Report` by reason (non_utf8, empty, malformed_json, too_deep (JSON
+nested deeper than the parser goes), bad_source (a `source` that is not a string), bad_id (an
+`id` neither a string nor an integer), missing_text, bad_messages, bad_unicode) with a few
+examples (all with --verbose), and passed to its `listener` (prepare's --rejected list);
+the Report also holds walk.py's skipped counts and renamed ids.
 
 Two choices on bad input:
 - Text, an id or a source holding a lone UTF-16 surrogate (JSON such as "\\ud800", which is
@@ -33,7 +34,8 @@ from maxlm.data.quality import kinds
 
 TEXT_SUFFIXES = frozenset(".txt .md .markdown .rst .text".split())
 JSONL_SUFFIXES = frozenset((".jsonl",))
-REASONS = ("non_utf8", "empty", "malformed_json", "missing_text", "bad_messages", "bad_unicode")
+REASONS = ("non_utf8", "empty", "malformed_json", "too_deep", "bad_source", "bad_id",
+           "missing_text", "bad_messages", "bad_unicode")
 _EXAMPLES = 5
 
 
@@ -200,6 +202,22 @@ def _nonblank(text, where, report):
   return False
 
 
+def _id_and_source(record, where, report):
+  """{id, source} given by the record (a missing or empty one is left to the defaults), or
+  None when one is unusable: a source must be a string (a number or a list would silently
+  become a source name), an id a string or an integer (records are often numbered)."""
+  doc = {}
+  for key, reason, ok in (("source", "bad_source", (str,)), ("id", "bad_id", (str, int))):
+    value = record.get(key)
+    if value is None or value == "":
+      continue
+    if not isinstance(value, ok) or isinstance(value, bool):
+      report.reject(reason, where)
+      return None
+    doc[key] = str(value)
+  return doc
+
+
 def _parse_line(line, where, report):
   text = _decode(line, where, report)
   if text is None:
@@ -209,10 +227,15 @@ def _parse_line(line, where, report):
   except json.JSONDecodeError:
     report.reject("malformed_json", where)
     return None
+  except RecursionError:  # valid JSON nested deeper than the parser goes (~1000 levels)
+    report.reject("too_deep", where)
+    return None
   if not isinstance(record, dict):
     report.reject("malformed_json", where)
     return None
-  doc = {k: str(record[k]) for k in ("id", "source") if record.get(k) not in (None, "")}
+  doc = _id_and_source(record, where, report)
+  if doc is None:
+    return None
   if not _encodable(*doc.values()):
     report.reject("bad_unicode", where)
     return None

@@ -13,11 +13,9 @@ import collections
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import pathlib
 import shutil
-import signal
 import tempfile
 
 import numpy as np
@@ -25,7 +23,7 @@ import tqdm
 
 from maxlm import MaxlmError
 from maxlm.data import (datadir, index_files, pairs, quality as quality_lib, sections, store,
-                        tokenizer, walk)
+                        tokenizer, walk, workers as workers_lib)
 from maxlm.data.quality import engine as quality_engine, funnel as funnel_lib, select
 from maxlm.data.documents import REASONS, Report, iter_documents, unique_ids  # noqa: F401
 
@@ -54,8 +52,6 @@ _MAX_PAIR = pairs.MAX_PAIR_LEN  # set before the worker pool forks
 
 def _init_worker(model_proto):
   global _SP
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the pool
-  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # terminate() ends a worker quietly
   _SP = tokenizer.load(model_proto)
 
 
@@ -140,10 +136,13 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   walk.check_inputs(inputs)
   model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
   staging = datadir.Staging(out_dir, overwrite, log)
-  spill = None
-  listed = funnel_lib.Rejected(rejected)
-  report.listener = listed.write_input
+  if getattr(staging, "_lock_file", None) is not None:
+    workers_lib.lock_files.add(staging._lock_file)  # no worker keeps --out's lock
+  workers = workers_lib.count(workers, log)
+  spill, listed = None, funnel_lib.Rejected(None)
   try:
+    listed = funnel_lib.Rejected(rejected)
+    report.listener = listed.write_input
     if quality is not None:
       spill_dir = os.path.dirname(str(staging.dir)) if staging.local else None
       spill, report.funnel = _select(inputs, report, quality, workers, progress, listed,
@@ -151,23 +150,30 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
       report.quality = dataclasses.asdict(quality)
       _warn(report.funnel, strict, log, quality)
     report.rejected_list = listed
-    return _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers,
-                    progress, spill)
+    manifest = _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction,
+                        workers, progress, spill)
   except BaseException:
     staging.abort()
+    listed.discard()
     raise
   finally:
-    listed.close()
     if spill is not None:
       os.unlink(spill)
+  listed.close()
+  return manifest
 
 
 def _warn(funnel, strict, log, quality):
-  """The funnel's warnings (quality/funnel.py), and a `--kind` naming no source, logged, or
-  with `strict` the first as an error."""
+  """The funnel's warnings (quality/funnel.py), and a `--kind` or `--lang SOURCE=` (or their
+  `kinds:` / `lang_by_source:` keys) naming no source, logged, or with `strict` the first as an
+  error. A warning, not an error up front: the sources are known only once the input is read
+  (records name their own); the warning comes after the selection pass, before tokenizing."""
   known = ", ".join(funnel.sources) or "none"
-  funnel.notes = [f"--kind {name}={kind}: no source is named {name!r} (the sources: {known})"
-                  for name, kind in quality.kinds.items() if name not in funnel.sources]
+  named = [(f"--kind {name}={kind}", name) for name, kind in quality.kinds.items()]
+  named += [(f"--lang {name}={','.join(codes)}", name)
+            for name, codes in quality.lang_by_source.items()]
+  funnel.notes = [f"{flag}: no source is named {name!r} (the sources: {known})"
+                  for flag, name in named if name not in funnel.sources]
   found = funnel.as_json()["warnings"]
   if strict and found:
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
@@ -184,8 +190,8 @@ def _select(inputs, report, quality, workers, progress, rejected, spill_dir, eng
     return select.run(docs, inspector, workers, progress, rejected, spill_dir)
   work = inspect_dir or tempfile.mkdtemp(prefix="maxlm-prepare-engine-", dir=spill_dir)
   try:
-    tasks = tasks or workers or os.cpu_count()
-    quality_engine.run_datatrove(inputs, inspector, work, tasks, workers or os.cpu_count(),
+    tasks = tasks or workers
+    quality_engine.run_datatrove(inputs, inspector, work, tasks, workers,
                                  report.as_text)
     return select.run(docs, inspector, workers, progress, rejected, spill_dir,
                       inspected=quality_engine.merged(docs, work, tasks, inspector,
@@ -212,8 +218,7 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
   special = tokenizer.special_ids(sp)
 
   writer = DataDirWriter(staging)
-  with multiprocessing.get_context("fork").Pool(workers or os.cpu_count(), _init_worker,
-                                                (model_proto,)) as pool:
+  with workers_lib.pool(workers, _init_worker, (model_proto,)) as pool:
     docs = (select.read_spill(spill) if spill else
             unique_ids(iter_documents(inputs, report), report))
     encoded = select.bounded_imap(pool, encode_document, docs)

@@ -19,9 +19,11 @@ characters that survived line cleaning.
 
 import collections
 import json
+import os
 
 import numpy as np
 
+from maxlm import MaxlmError
 from maxlm.data.quality import STEPS
 
 LOST_BYTES = 0.5  # a source losing more than this share of its bytes is warned about
@@ -259,10 +261,23 @@ def save_png(funnel, path, title="prepare funnel"):
 class Rejected:
   """`--rejected FILE.jsonl`: {"id", "source", "step", "rule"[, "duplicate_of"]} per line;
   documents rejected while reading (`empty`, `bad_unicode`, ...: step `input`) have "where"
-  instead of an id when their record could not be read."""
+  instead of an id when their record could not be read. Written whole or not at all: the lines
+  go to a temporary file beside it, renamed to `path` by `close()`; `discard()` (prepare
+  failed) removes it. A write that fails (a full disk) is one line naming the file."""
 
   def __init__(self, path):
-    self.file = open(path, "w") if path else None
+    self.path = path
+    self.tmp = f"{path}.tmp-{os.getpid()}" if path else None
+    self.file = self._do(open, self.tmp, "w") if path else None
+
+  def _do(self, fn, *args):
+    try:
+      return fn(*args)
+    except OSError as e:
+      self.discard()
+      raise MaxlmError(f"--rejected {self.path}: cannot write ({e.strerror or e}"
+                       + (f", errno {e.errno}" if e.errno else "") + "); free space there "
+                       "or write it elsewhere") from None
 
   def write(self, doc, step, rule, duplicate_of=None):
     if self.file is None:
@@ -270,14 +285,28 @@ class Rejected:
     row = {"id": doc["id"], "source": doc["source"], "step": step, "rule": rule}
     if duplicate_of is not None:
       row["duplicate_of"] = duplicate_of
-    self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+    self._do(self.file.write, json.dumps(row, ensure_ascii=False) + "\n")
 
   def write_input(self, reason, where):
     """A document rejected before the quality steps, by `documents.Report`."""
     if self.file is not None:
-      self.file.write(json.dumps({"id": None, "where": where, "source": None, "step": "input",
-                                  "rule": reason}, ensure_ascii=False) + "\n")
+      self._do(self.file.write, json.dumps({"id": None, "where": where, "source": None,
+                                            "step": "input", "rule": reason},
+                                           ensure_ascii=False) + "\n")
 
   def close(self):
+    """Puts the whole list at its path (a no-op after `discard`)."""
     if self.file is not None:
-      self.file.close()
+      self._do(self.file.close)
+      self._do(os.replace, self.tmp, self.path)
+      self.file = None
+
+  def discard(self):
+    if self.file is not None:
+      file, self.file = self.file, None
+      try:
+        file.close()
+      except OSError:
+        pass
+    if self.tmp and os.path.exists(self.tmp):
+      os.remove(self.tmp)

@@ -14,13 +14,12 @@ tables and kept signatures grow (~900 bytes per kept document).
 import contextlib
 import itertools
 import json
-import multiprocessing
 import os
-import signal
 import tempfile
 
 import tqdm
 
+from maxlm.data import workers as workers_lib
 from maxlm.data.quality import funnel as funnel_lib
 
 _INSPECT = None
@@ -28,8 +27,6 @@ _INSPECT = None
 
 def _init(inspector):
   global _INSPECT
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGTERM, signal.SIG_DFL)
   _INSPECT = inspector
 
 
@@ -65,8 +62,8 @@ def run(docs, inspector, workers=None, progress=False, rejected=None, spill_dir=
     with os.fdopen(fd, "w") as out, contextlib.ExitStack() as stack:
       stream = inspected
       if stream is None:  # inspect here, on a pool of worker processes
-        pool = stack.enter_context(multiprocessing.get_context("fork").Pool(
-            workers or os.cpu_count(), _init, (inspector,)))
+        pool = stack.enter_context(workers_lib.pool(workers or workers_lib.count(),
+                                                    _init, (inspector,)))
         stream = bounded_imap(pool, _inspect, docs)
       for doc in tqdm.tqdm(stream, desc="filter", unit="doc", disable=not progress):
         verdict = doc.pop("verdict")
@@ -91,10 +88,11 @@ def run(docs, inspector, workers=None, progress=False, rejected=None, spill_dir=
         out.write(json.dumps(doc, ensure_ascii=False) + "\n")
   except BaseException:
     os.unlink(spill)
-    raise
-  finally:
     if owned:
-      rejected.close()
+      rejected.discard()
+    raise
+  if owned:
+    rejected.close()
   return spill, funnel
 
 
