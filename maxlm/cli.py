@@ -392,6 +392,27 @@ def os_error_line(e):
   return text + (f"; {fixes[code]}" if code in fixes else "")
 
 
+def _stdout_gone():
+  """Whether stdout is a pipe whose reader has gone (`maxlm show-doc ... | head`)."""
+  import select
+  try:
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(mask & select.POLLERR for _, mask in poll.poll(0))
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+def _quiet_broken_pipe():
+  """Ends as `cat` does when its reader goes: no message, status 128 + SIGPIPE; stdout points
+  at /dev/null so the interpreter's last flush has nowhere to fail."""
+  import signal
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stdout.fileno())
+  os.close(devnull)
+  return 128 + signal.SIGPIPE
+
+
 def _dispatch(args):
   try:
     code = COMMANDS[args.command](args)
@@ -401,6 +422,11 @@ def _dispatch(args):
   except KeyboardInterrupt:
     print(f"maxlm {args.command}: interrupted", file=sys.stderr)
     return 130
+  except BrokenPipeError as e:
+    if not _stdout_gone():
+      print(f"maxlm {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+      return 2
+    return _quiet_broken_pipe()
   except Exception as e:  # a crash: one line, the traceback only on request
     if os.environ.get("MAXLM_DEBUG"):
       raise

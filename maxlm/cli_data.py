@@ -13,8 +13,10 @@ from maxlm import MaxlmError, config as config_lib, io, outputs
 
 def cmd_prepare(args):
   from maxlm.data import prepare
-  if args.vocab_size < 300:
-    raise MaxlmError(f"--vocab-size must be >= 300 (bytes and specials), got {args.vocab_size}")
+  if not 300 <= args.vocab_size <= config_lib.MAX_MODEL_DIM:
+    raise MaxlmError(f"--vocab-size must be in [300, {config_lib.MAX_MODEL_DIM}] (bytes and "
+                     f"specials at least; model.vocab_size's limit at most), got "
+                     f"{args.vocab_size}")
   if not 0 <= args.val_fraction < 1:
     raise MaxlmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
   if args.max_pair_len < 4:
@@ -34,11 +36,15 @@ def cmd_prepare(args):
 
 
 def _check_outputs(args):
-  """--rejected and --funnel-png: writable files, not an input, not inside an input folder or
-  --out (which the new data dir replaces), checked before any work."""
+  """--rejected and --funnel-png: files that land on nothing the user needs, checked before any
+  work: not an input, --tokenizer or --quality, not inside an input folder or --out (which the
+  new data dir replaces), nor inside any run dir or data dir (outputs.py); and writable (a
+  probe file beside them, so nothing is left at the path itself if prepare fails)."""
   def inside(path, folder):
     return os.path.commonpath([path, folder]) == folder
   out = os.path.realpath(args.out) if io.is_local(args.out) else None
+  reads = [(f"{flag} {path}", path) for flag, path in (("--tokenizer", args.tokenizer),
+                                      ("--quality", args.quality)) if path]
   for flag, path in (("--rejected", args.rejected), ("--funnel-png", args.funnel_png)):
     if not path:
       continue
@@ -51,14 +57,19 @@ def _check_outputs(args):
     if out and inside(real, out):
       raise MaxlmError(f"{flag} {path} is inside --out {args.out}, which the new data dir "
                        "replaces; write it elsewhere")
-    if os.path.isdir(real):
-      raise MaxlmError(f"{flag} {path} is a folder; give a file name")
+    outputs.check_file_output(flag, path, reads)
+    found = outputs.enclosing(os.path.dirname(real))
+    if found:  # check_file_output leaves a run dir's top level to `maxlm plot`
+      raise MaxlmError(f"{flag} {path} lies inside the {found[1]} {found[0]}: refusing to "
+                       "write there; choose another place")
     if flag == "--funnel-png" and not path.lower().endswith(".png"):
       raise MaxlmError(f"--funnel-png {path}: give a .png file name")
+    probe = f"{path}.probe-{os.getpid()}"
     try:
       ensure_parent(path)
-      with open(path, "a"):
+      with open(probe, "w"):
         pass
+      os.remove(probe)
     except OSError as e:
       raise MaxlmError(f"{flag} {path} cannot be written ({e.strerror})") from None
 
@@ -74,6 +85,9 @@ def _quality_config(args):
     codes = tuple(c.strip() for c in codes.split(",") if c.strip())
     if not codes:
       raise MaxlmError(f"--lang {item!r}: expected language codes, e.g. en or en,de or any")
+    if sep and not source.strip():
+      raise MaxlmError(f"--lang {item!r}: the source name is empty; give SOURCE=CODES, e.g. "
+                       "docs=en, or CODES alone for every source")
     if sep:
       by_source[source] = codes
     else:
@@ -84,6 +98,7 @@ def _quality_config(args):
   flags = kinds.parse_flags(args.kind)
   if flags:
     config = dataclasses.replace(config, kinds={**config.kinds, **flags})
+  config.check()  # --lang SOURCE=... and --kind as --quality's keys are
   return config
 
 

@@ -7,6 +7,7 @@ field's line states its range (every float must also be finite); `check` enforce
 """
 
 import dataclasses
+import difflib
 
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml, resolve_path
 
@@ -323,6 +324,11 @@ class Config:
   def check(self, key=""):
     _in_range("seed", self.seed, 0, MAX_SEED)
     for name, axes in self.rules.items():
+      if name not in DEFAULT_RULES:  # a typo would leave the real rule at its default
+        near = difflib.get_close_matches(name, DEFAULT_RULES, n=1)
+        hint = f"did you mean 'rules.{near[0]}'? " if near else ""
+        raise ConfigError(f"unknown key 'rules.{name}'; {hint}the logical axes are "
+                          f"{', '.join(DEFAULT_RULES)}")
       for axis in axes:
         if axis not in MESH_AXES:
           raise ConfigError(f"rules.{name}: unknown mesh axis {axis!r}; the mesh axes are "

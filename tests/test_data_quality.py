@@ -1,6 +1,7 @@
 """The quality steps of prepare on planted cases made of real text from this machine: Python's
 own documentation (pydoc_data) for English prose, translation catalogs for other languages."""
 
+import dataclasses
 import gettext
 import glob
 import json
@@ -14,6 +15,7 @@ from pydoc_data import topics
 from maxlm import MaxlmError
 from maxlm.data import prepare, quality, store
 from maxlm.data.quality import minhash, rules
+from maxlm.typed_yaml import ConfigError
 
 
 def english_docs(n, words=400):
@@ -292,3 +294,28 @@ def test_a_quality_file_is_not_overridden_and_code_keeps_its_symbols(tmp_path):
   emoji = {"source": "s", "id": "e", "kind": "prose", "text": "😀😀😀 🎉🎉"}
   marks = {"source": "s", "id": "m", "kind": "prose", "text": "!!! ??? ..."}
   assert inspect(emoji)["verdict"]["exact"] != inspect(marks)["verdict"]["exact"]
+
+
+def test_every_threshold_range_is_enforced_as_documented(tmp_path):
+  import inspect as inspect_lib
+  source = inspect_lib.getsource(rules.Thresholds)
+  for field in dataclasses.fields(rules.Thresholds):
+    documented = re.search(rf"\b{field.name}: \w+ = [^#\n]+# ([^:\n]+)", source)[1].strip()
+    assert documented == rules.range_text(*rules.threshold_range(field.name)), field.name
+  for bad, words in (("gopher_max_bullet_lines=2", "in [0, 1]"),  # would switch the rule off
+                     ("rep_top_2gram=1.5", "in [0, 1]"), ("code_max_line_length=0", ">= 1"),
+                     ("gopher_max_mean_word_length=0", "> 0"), ("gopher_min_words=-1", ">= 0")):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+      quality.load(None, [bad])
+  assert quality.load(None, ["rep_top_2gram=1", "code_max_line_length=1"])
+
+
+def test_unknown_or_empty_keys_in_a_quality_file_are_one_line(tmp_path):
+  for text, words in (("thresholds:\n  gopher_min_word: 3\n", "did you mean "
+                       "'thresholds.gopher_min_words'"),
+                      ("lang_by_sources:\n  docs: [en]\n", "did you mean 'lang_by_source'"),
+                      ("lang_by_source:\n  '': [en]\n", "lang_by_source: a source name is empty"),
+                      ("kinds:\n  ' ': code\n", "kinds: a source name is empty")):
+    (tmp_path / "q.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+      quality.load(str(tmp_path / "q.yaml"))

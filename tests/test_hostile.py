@@ -179,3 +179,77 @@ def test_a_file_output_is_whole_or_absent(tmp_path):
         f.write(b"half")
       raise OSError(28, "No space left on device")
   assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["b.npz"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, demo_data):
+  """A few JSON Lines documents, a tokenizer, a quality file, a run dir; none may be written."""
+  tmp = tmp_path_factory.mktemp("prepare_hostile")
+  text = "The quick brown fox jumps over the lazy dog; 0123456789 times. "
+  (tmp / "in.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": f"{text}{i}. " * 4})
+                                        + "\n" for i in range(12)))
+  (tmp / "t.model").write_bytes((demo_data / "tokenizer.model").read_bytes())
+  (tmp / "q.yaml").write_text("lang: [any]\nfilters: false\ndedup: false\n")
+  (tmp / "run").mkdir()
+  (tmp / "run" / "config.yaml").write_text("seed: 0\n")
+  (tmp / "run" / "metrics.jsonl").write_text("{}\n")
+  return tmp
+
+
+def _prepare(corpus, *flags):
+  return maxlm("prepare", corpus / "in.jsonl", "--out", corpus / "out", "--tokenizer",
+               corpus / "t.model", "--quality", corpus / "q.yaml", *flags)
+
+
+def test_prepare_outputs_never_land_on_what_it_reads_or_on_data(corpus, demo_data):
+  before = {p: p.read_bytes() for p in (corpus / "t.model", corpus / "q.yaml",
+                                        demo_data / "tokenizer.model",
+                                        corpus / "run" / "metrics.jsonl")}
+  for target, words in ((corpus / "t.model", "is --tokenizer"), (corpus / "q.yaml", "is --quality"),
+                        (demo_data / "tokenizer.model", "lies inside the data dir"),
+                        (corpus / "run" / "metrics.jsonl", "lies inside the run dir")):
+    for flag in ("--rejected", "--funnel-png"):
+      one_line_error(_prepare(corpus, flag, target), flag, words)
+  assert all(p.read_bytes() == data for p, data in before.items())
+  assert not (corpus / "out").exists()
+
+
+def test_prepare_values_out_of_range_are_one_line(corpus):
+  for flags, words in ((["--vocab-size", "99999999999"], "--vocab-size must be in [300, "),
+                       (["--vocab-size", "2000000"], "--vocab-size must be in [300, "),
+                       (["--lang", "=en"], "the source name is empty"),
+                       (["--kind", " =code"], "a source name is empty"),
+                       (["--filter", "gopher_max_bullet_lines=2"], "in [0, 1]"),
+                       (["--filter", "code_max_mean_line_length=0"], "> 0")):
+    one_line_error(_prepare(corpus, *flags), *words)
+  assert not (corpus / "out").exists()
+
+
+def test_prepare_names_a_lang_or_kind_source_that_does_not_exist(corpus):
+  proc = _prepare(corpus, "--lang", "nosuch=de", "--kind", "in=prose")
+  assert proc.returncode == 0, proc.stderr
+  assert "warning: --lang nosuch=de: no source is named 'nosuch' (the sources: in)" in proc.stdout
+  assert "--kind in=prose" not in proc.stdout
+  proc = _prepare(corpus, "--lang", "nosuch=de", "--strict", "--overwrite")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(  # after the filter pass's progress
+      "maxlm prepare: error: --strict: --lang nosuch=de: no source is named 'nosuch'")
+
+
+def test_a_closed_pipe_ends_the_output_quietly(corpus):
+  text = "The quick brown fox jumps over the lazy dog. " * 20000
+  (corpus / "big.jsonl").write_text(json.dumps({"id": "big", "text": text}) + "\n")
+  assert maxlm("prepare", corpus / "big.jsonl", "--out", corpus / "big", "--tokenizer",
+               corpus / "t.model", "--quality", corpus / "q.yaml").returncode == 0
+  show = subprocess.Popen([sys.executable, "-m", "maxlm.cli", "show-doc", corpus / "big", "big"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  assert show.stdout.read(10) == b"The quick "
+  show.stdout.close()  # as `| head -c 10` does
+  assert show.stderr.read() == b"" and show.wait() == 141  # as `cat`: 128 + SIGPIPE
+
+
+def test_unknown_rules_keys_are_refused_with_a_hint():
+  with pytest.raises(config_lib.ConfigError, match=r"unknown key 'rules.mpl'; did you mean "
+                     r"'rules.mlp'"):
+    config_lib.load("demo", ["rules.mpl=[tensor]"])
+  assert config_lib.load("demo", ["rules.mlp=[tensor]"]).rules["mlp"] == ("tensor",)

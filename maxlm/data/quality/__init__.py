@@ -65,6 +65,9 @@ class QualityConfig:
   thresholds: rules.Thresholds = rules.Thresholds()
 
   def check(self):
+    for key, named in (("kinds", self.kinds), ("lang_by_source", self.lang_by_source)):
+      if any(not source.strip() for source in named):
+        raise ConfigError(f"{key}: a source name is empty; name a source, e.g. {key}.docs")
     for source, kind in self.kinds.items():
       kinds_lib.check(kind, f"kinds.{source}")
     known = None
@@ -90,8 +93,11 @@ class QualityConfig:
                         f"({self.num_perm})")
     for field in dataclasses.fields(self.thresholds):
       value = getattr(self.thresholds, field.name)
-      if not value >= 0 or (isinstance(value, float) and math.isinf(value)):
-        raise ConfigError(f"thresholds.{field.name}: expected a finite number >= 0, got {value}")
+      low, high, low_excluded = rules.threshold_range(field.name)
+      if (not value >= low or low_excluded and value == low or high is not None and value > high
+          or isinstance(value, float) and math.isinf(value)):
+        raise ConfigError(f"thresholds.{field.name}: expected a finite number "
+                          f"{rules.range_text(low, high, low_excluded)}, got {value}")
 
   def langs_for(self, source):
     return self.lang_by_source.get(source, self.lang)

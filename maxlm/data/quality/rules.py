@@ -75,6 +75,25 @@ class Thresholds:
   code_min_alnum_fraction: float = 0.25  # in [0, 1]
 
 
+def threshold_range(name):
+  """(low, high, low excluded) of a threshold, as its line above documents it: a share is in
+  [0, 1], a maximum length or count >= 1, a maximum mean > 0, anything else >= 0 (outside
+  these a rule would be switched off, or drop everything)."""
+  if name.startswith(("rep_", "gopher_max_bullet", "gopher_max_ellipsis", "gopher_min_alpha",
+                      "code_min_alnum")):
+    return 0, 1, False
+  if name in ("c4_max_word_length", "gopher_max_words", "code_max_line_length"):
+    return 1, None, False
+  if name in ("gopher_max_mean_word_length", "code_max_mean_line_length"):
+    return 0, None, True
+  return 0, None, False
+
+
+def range_text(low, high, low_excluded):
+  return (f"in [{low}, {high}]" if high is not None else
+          f"{'>' if low_excluded else '>='} {low}")
+
+
 def c4_clean(text, t):
   """(cleaned text, None) or (None, rule): C4's line cleaning by paragraph (`lines.py`),
   then its document rules."""
