@@ -61,7 +61,7 @@ def ensure_data(data_dir):
   """The demo's data dir, prepared as `maxlm demo` prepares it when it is not there yet."""
   from maxlm import demo
   from maxlm.data import corpus, prepare
-  if demo._prepared(data_dir):
+  if os.path.exists(os.path.join(data_dir, "manifest.json")):
     return
   raw = os.path.join(os.path.dirname(data_dir.rstrip("/")), "raw")
   if not os.path.exists(os.path.join(raw, "code.jsonl")):
@@ -101,10 +101,10 @@ def main():
   from maxlm.train import metrics, verify
   ensure_data(args.data)
   work = args.workdir or tempfile.mkdtemp(prefix="maxlm-1m-")
-  env = dict(os.environ)
-  if args.devices > 1:
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        f" --xla_force_host_platform_device_count={args.devices}").strip()
+  env = dict(os.environ)  # exactly --devices CPU devices, whatever the caller's XLA_FLAGS
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
   cfg = config_lib.load(CONFIG, args.set)
   last = len(cfg.stages) - 1
   stage = {"index": last, "tokens": cfg.stages[last].seq_len * cfg.stages[last].batch}
