@@ -43,6 +43,11 @@ def _check_outputs(args):
   def inside(path, folder):
     return os.path.commonpath([path, folder]) == folder
   out = os.path.realpath(args.out) if io.is_local(args.out) else None
+  for flag, folder in (("--out", out), ("--inspect-dir", args.inspect_dir)):
+    found = outputs.enclosing(os.path.dirname(os.path.realpath(folder))) if folder else None
+    if found:  # --out may be a data dir itself (--overwrite replaces it), never lie inside one
+      raise MaxlmError(f"{flag} {folder} lies inside the {found[1]} {found[0]}: refusing to "
+                       "write there; choose a folder outside any run dir or data dir")
   reads = [(f"{flag} {path}", path) for flag, path in (("--tokenizer", args.tokenizer),
                                       ("--quality", args.quality)) if path]
   for flag, path in (("--rejected", args.rejected), ("--funnel-png", args.funnel_png)):

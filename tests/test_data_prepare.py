@@ -48,6 +48,7 @@ def prepared(tmp_path_factory):
 def test_rejections_are_counted_per_reason(prepared):
   _, manifest = prepared
   assert manifest["rejected"] == {"non_utf8": 2, "empty": 3, "malformed_json": 2,
+                                  "too_deep": 0, "bad_source": 0, "bad_id": 0,
                                   "missing_text": 1, "bad_messages": 1, "bad_unicode": 0}
   assert manifest["skipped_files"] == {".bin": 1}
   assert any("latin1.txt" in w for w in manifest["rejected_examples"]["non_utf8"])
