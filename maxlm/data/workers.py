@@ -9,8 +9,8 @@
   workers fork (a Ctrl-C in that window would otherwise reach a worker before it ignores it);
   each worker then ignores SIGINT (the parent handles Ctrl-C and terminates the pool), takes
   SIGTERM's default (terminate() ends it quietly), asks the kernel for SIGTERM when its parent
-  dies (Linux PR_SET_PDEATHSIG: a SIGKILLed prepare leaves no orphan), and closes its copies of
-  the parent's lock files (`lock_files`), so no worker holds `--out`'s lock.
+  dies (Linux PR_SET_PDEATHSIG: a SIGKILLed prepare leaves no orphan). Every forked child
+  (datatrove's too) closes its copies of the parent's `lock_files`, so none holds `--out`'s lock.
 """
 
 import contextlib
@@ -70,6 +70,17 @@ def _set_parent_death_signal():
     pass
 
 
+def _close_lock_files():
+  for file in list(lock_files):
+    try:
+      file.close()  # this copy only: the parent's flock stays held
+    except OSError:
+      pass
+
+
+os.register_at_fork(after_in_child=_close_lock_files)  # any fork: our pools, datatrove's
+
+
 def _start(parent, initializer, args):
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -77,11 +88,6 @@ def _start(parent, initializer, args):
   signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
   if os.getppid() != parent:  # the parent died before the death signal was asked for
     os._exit(1)
-  for file in list(lock_files):
-    try:
-      file.close()  # this copy only: the parent's flock stays held
-    except OSError:
-      pass
   if initializer is not None:
     initializer(*args)
 
