@@ -115,8 +115,8 @@ def _show_funnel(manifest, png=None, title="prepare funnel", warnings=True):
     return
   print(funnel.table(manifest["funnel"], warnings))
   if png:
-    ensure_parent(png)
-    funnel.save_png(manifest["funnel"], png, title)
+    with writing(png) as tmp:  # whole or absent; a full disk is one line naming it
+      funnel.save_png(manifest["funnel"], tmp, title)
     print(f"wrote {png}")
 
 

@@ -321,3 +321,31 @@ def test_a_killed_prepare_leaves_no_worker_and_no_lock_held(tmp_path):
   while any(map(alive, pids)) and time.monotonic() < give_up:
     time.sleep(0.05)
   assert not any(map(alive, pids))
+
+
+def test_a_full_disk_under_the_kept_documents_is_one_line_and_leaves_nothing(tmp_path, tok,
+                                                                            monkeypatch):
+  import errno
+  from maxlm.data.quality import select
+  src = tmp_path / "in.jsonl"
+  src.write_text("\n".join(good_lines(10)))
+  real_fdopen = os.fdopen
+
+  class FullDisk:
+    def __init__(self, fd, mode):
+      self.file = real_fdopen(fd, mode)
+
+    def write(self, text):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.file.close()
+
+  monkeypatch.setattr(select.os, "fdopen", FullDisk)
+  with pytest.raises(MaxlmError) as e:
+    run([src], tmp_path / "out", tok, quality=prepare.quality_lib.OFF)
+  assert "cannot write the kept documents" in str(e.value) and "No space left" in str(e.value)
+  assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]

@@ -19,6 +19,7 @@ import tempfile
 
 import tqdm
 
+from maxlm import MaxlmError
 from maxlm.data import workers as workers_lib
 from maxlm.data.quality import funnel as funnel_lib
 
@@ -85,7 +86,7 @@ def run(docs, inspector, workers=None, progress=False, rejected=None, spill_dir=
         count()
         ids.append(doc["id"])
         doc["lang_score"] = verdict["lang_score"]
-        out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        _spill(out, doc, spill)
   except BaseException:
     os.unlink(spill)
     if owned:
@@ -94,6 +95,15 @@ def run(docs, inspector, workers=None, progress=False, rejected=None, spill_dir=
   if owned:
     rejected.close()
   return spill, funnel
+
+
+def _spill(out, doc, path):
+  try:
+    out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+  except OSError as e:
+    raise MaxlmError(f"cannot write the kept documents to {path} ({e.strerror or e}"
+                     + (f", errno {e.errno}" if e.errno else "") + "): free space beside "
+                     "--out, or choose an --out with room for the corpus") from None
 
 
 def read_spill(path):
