@@ -71,6 +71,8 @@ def _check_outputs(args):
       raise MaxlmError(f"--funnel-png {path}: give a .png file name")
     probe = f"{path}.probe-{os.getpid()}"
     try:
+      if special_file(path):  # /dev/stdout, a fifo: written as it is (funnel.Rejected)
+        continue
       ensure_parent(path)
       with open(probe, "w"):
         pass
@@ -223,18 +225,31 @@ def check_out_file(flag, path, suffix):
 @contextlib.contextmanager
 def writing(path):
   """A temporary name beside `path` (same suffix) to write, renamed to `path` once written:
-  whole or not at all, and a full disk or read-only folder is one line naming `path`."""
+  whole or not at all, and a full disk or read-only folder is one line naming `path`. A path
+  that is not a regular file (/dev/stdout, a fifo) is written as it is, never replaced."""
   tmp = f"{path}.tmp-{os.getpid()}{os.path.splitext(path)[1]}"
+  if special_file(path):
+    tmp = path
   try:
     ensure_parent(path)
     yield tmp
-    os.replace(tmp, path)
+    if tmp != path:
+      os.replace(tmp, path)
   except OSError as e:
     raise MaxlmError(f"cannot write {path}: {e.strerror or e}"
                      + (f" (errno {e.errno})" if e.errno else "")) from None
   finally:
-    if os.path.exists(tmp):
+    if tmp != path and os.path.exists(tmp):
       os.remove(tmp)
+
+
+def special_file(path):
+  """Whether `path` exists and is not a regular file (a device, a fifo, /dev/stdout)."""
+  import stat
+  try:
+    return not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
+  except OSError:
+    return False
 
 
 def ensure_parent(path):

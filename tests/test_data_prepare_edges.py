@@ -349,3 +349,13 @@ def test_a_full_disk_under_the_kept_documents_is_one_line_and_leaves_nothing(tmp
     run([src], tmp_path / "out", tok, quality=prepare.quality_lib.OFF)
   assert "cannot write the kept documents" in str(e.value) and "No space left" in str(e.value)
   assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_rejected_onto_a_device_is_written_as_it_is_never_replaced(tmp_path):
+  import stat
+  from maxlm.data.quality import funnel
+  listed = funnel.Rejected(os.devnull)  # as --rejected /dev/stdout: no file renamed onto it
+  listed.write({"id": "a", "source": "s"}, "input", "empty")
+  listed.close()
+  assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+  assert not [n for n in os.listdir(os.path.dirname(os.devnull)) if n.startswith("null.")]

@@ -263,11 +263,14 @@ class Rejected:
   documents rejected while reading (`empty`, `bad_unicode`, ...: step `input`) have "where"
   instead of an id when their record could not be read. Written whole or not at all: the lines
   go to a temporary file beside it, renamed to `path` by `close()`; `discard()` (prepare
-  failed) removes it. A write that fails (a full disk) is one line naming the file."""
+  failed) removes it. A path that is not a regular file (/dev/stdout, a fifo) is written as it
+  is. A write that fails (a full disk) is one line naming the file."""
 
   def __init__(self, path):
     self.path = path
     self.tmp = f"{path}.tmp-{os.getpid()}" if path else None
+    if path and os.path.exists(path) and not os.path.isfile(path):
+      self.tmp = path  # /dev/stdout, a fifo: written as it is, never replaced
     self.file = self._do(open, self.tmp, "w") if path else None
 
   def _do(self, fn, *args):
@@ -298,7 +301,8 @@ class Rejected:
     """Puts the whole list at its path (a no-op after `discard`)."""
     if self.file is not None:
       self._do(self.file.close)
-      self._do(os.replace, self.tmp, self.path)
+      if self.tmp != self.path:
+        self._do(os.replace, self.tmp, self.path)
       self.file = None
 
   def discard(self):
@@ -308,5 +312,5 @@ class Rejected:
         file.close()
       except OSError:
         pass
-    if self.tmp and os.path.exists(self.tmp):
+    if self.tmp and self.tmp != self.path and os.path.exists(self.tmp):
       os.remove(self.tmp)
