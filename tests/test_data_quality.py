@@ -308,6 +308,8 @@ def test_every_threshold_range_is_enforced_as_documented(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(words)):
       quality.load(None, [bad])
   assert quality.load(None, ["rep_top_2gram=1", "code_max_line_length=1"])
+  with pytest.raises(ConfigError, match=r"num_perm: expected an integer in \[1, 4096\]"):
+    quality.load(None, ["num_perm=100000000000"])  # would allocate for minutes, then die
 
 
 def test_unknown_or_empty_keys_in_a_quality_file_are_one_line(tmp_path):

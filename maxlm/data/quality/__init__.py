@@ -44,6 +44,7 @@ from maxlm.data import pairs
 from maxlm.data.quality import kinds as kinds_lib, lang, lines, minhash, rules
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml
 
+MAX_PERM = 4096  # MinHash functions: memory and time grow with them, 128 is the usual
 STEPS = ("language", "lines", "quality", "repetition", "code", "exact_dup", "near_dup",
          "over_long")
 
@@ -58,7 +59,7 @@ class QualityConfig:
   filters: bool = True  # steps 2-5
   dedup: bool = True  # steps 6-7
   shingle_words: int = 5  # >= 1
-  num_perm: int = 128  # >= 1: MinHash functions
+  num_perm: int = 128  # in [1, 4096]: MinHash functions (each costs 8 bytes a kept document)
   bands: int = 16  # >= 1; bands x rows <= num_perm
   rows: int = 8  # >= 1
   near_threshold: float = 0.7  # in [0, 1]: estimated Jaccard a band collision must reach
@@ -88,6 +89,8 @@ class QualityConfig:
     for name in ("shingle_words", "num_perm", "bands", "rows"):
       if getattr(self, name) < 1:
         raise ConfigError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
+    if self.num_perm > MAX_PERM:
+      raise ConfigError(f"num_perm: expected an integer in [1, {MAX_PERM}], got {self.num_perm}")
     if self.bands * self.rows > self.num_perm:
       raise ConfigError(f"bands x rows = {self.bands * self.rows} must be <= num_perm "
                         f"({self.num_perm})")
