@@ -359,3 +359,13 @@ def test_rejected_onto_a_device_is_written_as_it_is_never_replaced(tmp_path):
   listed.close()
   assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
   assert not [n for n in os.listdir(os.path.dirname(os.devnull)) if n.startswith("null.")]
+
+
+def test_a_number_python_cannot_read_is_one_rejected_line_and_a_bom_is_read(tmp_path, tok):
+  src = tmp_path / "in.jsonl"
+  src.write_text("\ufeff" + "\n".join(good_lines(5) + [
+      '{"text": "x y z", "n": ' + "9" * 5000 + "}",  # over Python's 4300-digit limit
+      '{"text": "' + PANGRAM + '", "id": ' + "9" * 4000 + "}"]))
+  manifest = run([src], tmp_path / "out", tok, quality=prepare.quality_lib.OFF)
+  assert {k: v for k, v in manifest["rejected"].items() if v} == {"malformed_json": 1}
+  assert documents(manifest) == 6 and "doc-0" in store.load_doc_ids(str(tmp_path / "out"))

@@ -223,8 +223,8 @@ def _parse_line(line, where, report):
   if text is None:
     return None
   try:
-    record = json.loads(text)
-  except json.JSONDecodeError:
+    record = json.loads(text[1:] if text.startswith("\ufeff") else text)  # a BOM: Windows tools
+  except ValueError:  # not JSON, or a number of over 4300 digits (Python's limit to read one)
     report.reject("malformed_json", where)
     return None
   except RecursionError:  # valid JSON nested deeper than the parser goes (~1000 levels)
