@@ -26,7 +26,7 @@ def test_every_key_is_documented_with_a_meaning():
       meaning = row.group(0).rstrip(" |").rsplit(" | ", 1)[1]
       assert meaning.strip(), (f"{prefix}{field.name} has no comment in maxlm/config.py saying "
                                f"what it is ({hints[field.name]})")
-  for key in ("stages.N.rope.scaling", "data.fim.rate", "train.eval_rows", "model.remat"):
+  for key in ("stages.N.rope.scaling", "data.fim.rate", "train.eval_tokens", "model.remat"):
     assert key in keys
   assert all(f"| `{size}` |" in text for size in config_lib.MODEL_SIZES)
 
