@@ -18,7 +18,7 @@ def add_parser(sub, add_config):
   p.add_argument("--compiled", action="store_true",
                  help="also compile each stage's train step on this machine's first --devices "
                       "devices and print XLA's accounting of it")
-  p.add_argument("--json", action="store_true")
+  p.add_argument("--json", action="store_true", help="print the estimate as JSON, not a table")
 
 
 def cmd_memory(args):
