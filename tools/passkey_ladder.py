@@ -17,6 +17,7 @@ Prints per stage: step, held-out loss per source, loss by position per source an
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -44,8 +45,9 @@ def build_data(work, corpus_bytes, docs, vocab):
   raw = os.path.join(work, "raw")
   prose, code = corpus.build(raw, bytes_per_source=corpus_bytes)
   passkey = os.path.join(raw, "passkey.jsonl")
-  make_passkey_source.main(["--docs", str(docs), "--from", prose, "--out", passkey,
-                            "--min-chars", "200", "--max-chars", "3000"])
+  with contextlib.redirect_stdout(sys.stderr):  # stdout is the --json result only
+    make_passkey_source.main(["--docs", str(docs), "--from", prose, "--out", passkey,
+                              "--min-chars", "200", "--max-chars", "3000"])
   cli("prepare", prose, code, passkey, "--out", data, "--vocab-size", vocab, "--filters", "off",
       "--dedup", "off", "--lang", "any")
   return data
