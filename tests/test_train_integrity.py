@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.data import plan
 from maxlm.train import checkpoint, integrity, loop, metrics, verify
 
 import datagen
@@ -253,13 +254,13 @@ def test_a_checkpoint_of_the_previous_data_plan_is_refused(runs, tmp_path):
   cfg, lines = resume_copy(runs, tmp_path)
   meta_file = tmp_path / "run" / "checkpoints" / "8" / "meta" / "metadata"
   meta = json.loads(meta_file.read_text())
-  assert meta["planner"]["version"] == 2
+  assert meta["planner"]["version"] == plan.VERSION == 3
   del meta["planner"]["version"]  # as plan v1 wrote it
   meta["integrity"]["meta"] = integrity._meta_hash(meta)  # a sound checkpoint, not a corrupt one
   meta_file.write_text(json.dumps(meta))
   before = len(metrics.read_jsonl(cfg.run_dir))
   with pytest.raises(MaxlmError, match="checkpoint 8 was planned with data plan v1; this maxlm "
-                                       r"\(.*\) plans v2.*finish the run with the maxlm that "
+                                       r"\(.*\) plans v3.*finish the run with the maxlm that "
                                        "started it, or start over in a new run_dir"):
     loop.train(cfg, log=lines.append)
   assert len(metrics.read_jsonl(cfg.run_dir)) == before
