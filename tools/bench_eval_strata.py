@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from maxlm.data import assemble, chunk, store  # noqa: E402
-from maxlm.eval import windows  # noqa: E402
+from maxlm.data import chunk, store  # noqa: E402
+from maxlm.eval import bpb, windows  # noqa: E402
 
 
 # The former rule, verbatim from maxlm/eval/bpb.py before every stage scored the same text (only
@@ -134,14 +134,7 @@ def score(nll_fn, data, rows, complete, seq_len, batch_rows):
   n_src = len(index.sources)
   nll_src, count_src, rows_src = np.zeros(n_src), np.zeros(n_src), np.zeros(n_src, np.int64)
   nll_doc = {}
-  for first in range(0, len(rows), batch_rows):
-    group = rows[first:first + batch_rows]
-    arrays = [assemble.row_arrays(data.store, data.special, data.config.seed, r, seq_len)
-              for r in group]
-    arrays += [{f: np.zeros(seq_len, np.int32) for f in assemble.FIELDS}] * (
-        batch_rows - len(group))
-    batch = {f: np.stack([a[f] for a in arrays]) for f in assemble.FIELDS}
-    nll = np.asarray(nll_fn(batch), np.float64)
+  for group, batch, nll in bpb.scored_batches(nll_fn, data, rows, seq_len, batch_rows):
     for r, pieces in enumerate(group):
       rows_src[sorted({p[0] for p in pieces})] += 1
       seg = batch["segment_ids"][r]
@@ -171,7 +164,7 @@ def score(nll_fn, data, rows, complete, seq_len, batch_rows):
 def score_checkpoint(run_dir, rows_before):
   """{step, stage, seq_len, before, now, seconds} for the run's latest checkpoint."""
   import jax
-  from maxlm.eval import bpb, run
+  from maxlm.eval import run
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
   config, data, s, mesh, model, params, step = run.open_run(run_dir)

@@ -67,14 +67,7 @@ def score(nll_fn, data, docs_per_source, rows, seq_len, batch_rows):
     return {}
   n_src = len(index.sources)
   nll_src, count_src = np.zeros(n_src), np.zeros(n_src, np.int64)
-  for first in range(0, len(rows), batch_rows):
-    group = rows[first:first + batch_rows]
-    arrays = [assemble.row_arrays(data.store, data.special, data.config.seed, r, seq_len)
-              for r in group]
-    arrays += [{f: np.zeros(seq_len, np.int32) for f in assemble.FIELDS}] * (
-        batch_rows - len(group))
-    batch = {f: np.stack([a[f] for a in arrays]) for f in assemble.FIELDS}
-    nll = np.asarray(nll_fn(batch), np.float64)
+  for group, batch, nll in scored_batches(nll_fn, data, rows, seq_len, batch_rows):
     for r, pieces in enumerate(group):
       seg = batch["segment_ids"][r]
       for k, piece in enumerate(pieces, 1):
@@ -88,6 +81,19 @@ def score(nll_fn, data, docs_per_source, rows, seq_len, batch_rows):
                                         sum(scored_bytes(data, d) for d in docs), nll_src[i])
   total = [sum(e[f] for e in sources.values()) for f in ("documents", "tokens", "bytes", "nll")]
   return {"sources": sources, "all": entry(*total)}
+
+
+def scored_batches(nll_fn, data, rows, seq_len, batch_rows):
+  """(rows of pieces, batch, per-position NLL [batch_rows, L] in float64) for each batch of
+  `rows`, the last padded with empty rows to batch_rows."""
+  for first in range(0, len(rows), batch_rows):
+    group = rows[first:first + batch_rows]
+    arrays = [assemble.row_arrays(data.store, data.special, data.config.seed, r, seq_len)
+              for r in group]
+    arrays += [{f: np.zeros(seq_len, np.int32) for f in assemble.FIELDS}] * (
+        batch_rows - len(group))
+    batch = {f: np.stack([a[f] for a in arrays]) for f in assemble.FIELDS}
+    yield group, batch, np.asarray(nll_fn(batch), np.float64)
 
 
 def entry(documents, tokens, nbytes, nll):
