@@ -22,8 +22,8 @@ down the early buckets alone. A bucket no document fills is left out.
 
 import numpy as np
 
-from maxlm.data import assemble, store
-from maxlm.eval import windows
+from maxlm.data import store
+from maxlm.eval import bpb, windows
 
 FIRST_EDGE = 64
 GROWTH = 4
@@ -75,21 +75,10 @@ def by_position(nll_fn, data, seq_len, batch_rows, budget, split=store.VAL):
   spans = buckets(seq_len)
   nll_sum = np.zeros((len(index.sources), len(spans)))
   count = np.zeros((len(index.sources), len(spans)), np.int64)
-  for first in range(0, len(rows), batch_rows):
-    group = rows[first:first + batch_rows]
-    batch = _batch(data, group, seq_len, batch_rows)
-    nll = np.asarray(nll_fn(batch), np.float64)
+  for group, batch, nll in bpb.scored_batches(nll_fn, data, rows, seq_len, batch_rows):
     for r, pieces in enumerate(group):
       add_row(nll[r], batch, r, pieces, spans, nll_sum, count)
   return table(index.sources, spans, nll_sum, count)
-
-
-def _batch(data, group, seq_len, batch_rows):
-  arrays = [assemble.row_arrays(data.store, data.special, data.config.seed, r, seq_len)
-            for r in group]
-  arrays += [{f: np.zeros(seq_len, np.int32) for f in assemble.FIELDS}] * (
-      batch_rows - len(group))
-  return {f: np.stack([a[f] for a in arrays]) for f in assemble.FIELDS}
 
 
 def add_row(nll_L, batch, r, pieces, spans, nll_sum, count):
