@@ -11,6 +11,61 @@ import pathlib
 from maxlm import MaxlmError, config as config_lib, io, outputs
 
 
+def add_prepare_parser(sub):
+  """`maxlm prepare`'s options (its command is cmd_prepare below)."""
+  p = sub.add_parser("prepare", help="documents -> tokenizer, token store, doc index, manifest")
+  p.add_argument("inputs", nargs="+", help="JSONL, text, markdown or code files, or folders")
+  p.add_argument("--out", required=True, help="data dir to write (local or gs://)")
+  p.add_argument("--vocab-size", type=int, default=8192,
+                 help="tokenizer vocabulary to train (ignored with --tokenizer)")
+  p.add_argument("--tokenizer", help="an existing SentencePiece .model to use instead")
+  p.add_argument("--as-text", action="append", default=[], metavar="GLOB",
+                 help="also read files matching GLOB (name or end of path: 'LICENSE*', "
+                      "'*.1', 'licenses/*', '*') as plain text, files prepare would skip; "
+                      "repeatable (docs/data.md)")
+  p.add_argument("--val-fraction", type=float, default=0.01,
+                 help="share of each source's documents held out for validation, in [0, 1)")
+  p.add_argument("--max-pair-len", type=int, default=1024,
+                 help="row positions a preference pair may fill; a longer prompt is cut from "
+                      "its left, a pair whose answers alone do not fit is rejected "
+                      "(docs/pairs.md)")
+  p.add_argument("--workers", type=int, default=None,
+                 help="processes for the quality steps and tokenizing (default: all cores)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace an existing data dir at --out (once the new one is complete)")
+  p.add_argument("--verbose", action="store_true",
+                 help="list every rejected document and skipped file, not a few per reason")
+  p.add_argument("--lang", action="append", metavar="CODES|SOURCE=CODES",
+                 help="accepted languages of prose, e.g. en or en,de; any skips language ID; "
+                      "SOURCE=CODES for one source (default: en)")
+  p.add_argument("--filters", choices=("on", "off"), default=None,
+                 help="line cleaning, Gopher quality and repetition, code rules (default: on, "
+                      "or as --quality says)")
+  p.add_argument("--dedup", choices=("on", "off"), default=None,
+                 help="exact and MinHash near-duplicate removal across sources (default: on, "
+                      "or as --quality says)")
+  p.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE",
+                 help="one threshold or setting, e.g. gopher_min_words=20 or bands=20")
+  p.add_argument("--kind", action="append", default=[], metavar="SOURCE=KIND",
+                 help="what a source is: web (line cleaning), prose (no line deleted), code "
+                      "(code rules only) or chat; repeatable (default: from each record or "
+                      "file, docs/data.md)")
+  p.add_argument("--strict", action="store_true",
+                 help="a source that loses over half its bytes, or whose kept documents keep "
+                      "under 80%% of their characters on median, is an error, not a warning")
+  p.add_argument("--quality", metavar="FILE.yaml", help="quality settings (see docs/data.md)")
+  p.add_argument("--rejected", metavar="FILE.jsonl",
+                 help="one line per rejected document (those rejected while reading too)")
+  p.add_argument("--funnel-png", metavar="FILE.png", help="draw the funnel")
+  p.add_argument("--engine", choices=("local", "datatrove"), default="local",
+                 help="run the per-document quality work in a local process pool, or as "
+                      "datatrove tasks (the [cluster] extra; see docs/data.md)")
+  p.add_argument("--tasks", type=int, default=None, help="datatrove tasks (default: --workers)")
+  p.add_argument("--inspect-dir", metavar="WORK",
+                 help="datatrove tasks' records: used if complete (run on a cluster), else "
+                      "written there")
+
+
 def cmd_prepare(args):
   from maxlm.data import prepare
   if not 300 <= args.vocab_size <= config_lib.MAX_MODEL_DIM:
