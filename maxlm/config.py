@@ -9,6 +9,10 @@ field's line states its range (every float must also be finite); `check` enforce
 import dataclasses
 import difflib
 
+from maxlm.config_checks import MAX_BATCH, MAX_MODEL_DIM, MAX_SEQ_LEN
+from maxlm.config_checks import above as _above, at_least as _at_least, in_range as _in_range
+from maxlm.config_grpo import GrpoConfig
+from maxlm.config_model import AttentionConfig, MoeConfig
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml, resolve_path
 
 __all__ = ["ConfigError", "Config", "load", "from_dict", "to_dict", "resolve_path"]
@@ -90,6 +94,8 @@ class ModelConfig:
   loss_chunk: int = 1024  # >= 1; positions per chunk of the vocabulary projection in the loss
   z_loss: float = 0.0  # >= 0; weight of the log-partition (z) loss
   max_logit: bool = True  # report the largest attention logit (exact; an extra pass on splash only)
+  moe: MoeConfig = MoeConfig()
+  attention: AttentionConfig = AttentionConfig()
 
   def check(self, key):
     if self.size not in MODEL_SIZES:
@@ -111,6 +117,8 @@ class ModelConfig:
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"{key}.remat: expected one of {', '.join(REMAT_POLICIES)}, "
                         f"got {self.remat!r}")
+    self.moe.check(f"{key}.moe", self.n_layers)
+    self.attention.check(f"{key}.attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +190,18 @@ class TrainConfig:
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on
   spike_window: int = 32  # >= 0; trailing steps whose loss statistics flag a spike (0: off)
   spike_sigmas: float = 6.0  # > 0; a spike: loss > mean + spike_sigmas * std of that window
-  # lm | dpo; dpo trains on preference pairs against the frozen init.from weights (docs/pairs.md)
+  # lm | dpo | grpo; dpo trains on preference pairs against the frozen init.from weights
+  # (docs/pairs.md), grpo on sampled completions of prompts scored by a verifier (docs/rl.md)
   objective: str = "lm"
   dpo: DpoConfig = DpoConfig()
+  grpo: GrpoConfig = GrpoConfig()
 
   def check(self, key):
     _above(f"{key}.lr", self.lr, 0)
-    if self.objective not in ("lm", "dpo"):
-      raise ConfigError(f"{key}.objective: expected lm or dpo, got {self.objective!r}")
+    if self.objective not in ("lm", "dpo", "grpo"):
+      raise ConfigError(f"{key}.objective: expected lm, dpo or grpo, got {self.objective!r}")
     self.dpo.check(f"{key}.dpo")
+    self.grpo.check(f"{key}.grpo")
     _in_range(f"{key}.min_lr_ratio", self.min_lr_ratio, 0, 1)
     _in_range(f"{key}.decay_fraction", self.decay_fraction, 0, 1)
     _in_range(f"{key}.b1", self.b1, 0, 1, high_open=True)
@@ -435,28 +446,3 @@ def _check_mix(key, mix):
   for name, share in mix.items():
     if not share > 0:
       raise ConfigError(f"{key}.{name}: expected a quota > 0, got {share}")
-
-
-def _kind(value):
-  return "an integer" if isinstance(value, int) else "a number"
-
-
-MAX_MODEL_DIM = 2**20  # any model size, vocabulary or chunk beyond this is a typo
-MAX_SEQ_LEN = 2**24  # 16M positions per row (the production schedule ends at 1M)
-MAX_BATCH = 2**20
-
-
-def _at_least(key, value, low):
-  if not value >= low:
-    raise ConfigError(f"{key}: expected {_kind(value)} >= {low}, got {value}")
-
-
-def _above(key, value, low):
-  if not value > low:
-    raise ConfigError(f"{key}: expected {_kind(value)} > {low}, got {value}")
-
-
-def _in_range(key, value, low, high, high_open=False):
-  if not (low <= value < high if high_open else low <= value <= high):
-    bracket = ")" if high_open else "]"
-    raise ConfigError(f"{key}: expected {_kind(value)} in [{low}, {high}{bracket}, got {value}")

@@ -1,0 +1,65 @@
+"""The model's optional families: mixture-of-experts layers (`model.moe`) and local/global
+attention (`model.attention`). Split from config.py, which holds the dense model's keys; the
+layer pattern both decide is built in one place, maxlm/model/layers.py."""
+
+import dataclasses
+
+from maxlm.config_checks import MAX_MODEL_DIM, MAX_SEQ_LEN, at_least, in_range, one_of
+from maxlm.typed_yaml import ConfigError
+
+MOE_SCORES = ("softmax", "sigmoid")
+MOE_BALANCE = ("bias", "aux_loss", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """Routed experts replacing the dense MLP in some layers (maxlm/model/moe.py, docs/model.md)."""
+  experts: int = 0  # in [0, 4096]; routed experts per MoE layer (0: no MoE, a dense model)
+  top_k: int = 2  # in [1, experts]; experts each token is routed to
+  shared_experts: int = 0  # >= 0; always-on experts (one MLP of width shared_experts * d_ff)
+  d_ff: int = 0  # >= 0; width of each expert's MLP (0: model.d_ff)
+  every: int = 1  # >= 1; after the first `first_dense` layers, every n-th layer is MoE
+  first_dense: int = 0  # >= 0, < model.n_layers; the first k layers keep a dense MLP
+  score: str = "softmax"  # softmax | sigmoid: router scores (sigmoid as DeepSeek-V3)
+  norm_topk: bool = True  # the k chosen experts' weights are renormalized to sum to 1
+  # bias (DeepSeek-V3's auxiliary-loss-free per-expert bias, updated from each step's load
+  # outside the gradient) | aux_loss (only the load-balancing loss below) | none
+  balance: str = "bias"
+  bias_rate: float = 1e-3  # >= 0; the bias update's step (DeepSeek-V3's gamma)
+  aux_loss: float = 0.0  # >= 0; weight of the load-balancing loss (Switch / GShard), any balance
+  router_z_loss: float = 0.0  # >= 0; weight of the router's log-partition (z) loss
+  capacity_factor: float = 0.0  # >= 0; 0: dropless; > 0: tokens per expert capped, overflow dropped
+
+  @property
+  def enabled(self):
+    return self.experts > 0
+
+  def check(self, key, n_layers):
+    in_range(f"{key}.experts", self.experts, 0, 4096)
+    at_least(f"{key}.shared_experts", self.shared_experts, 0)
+    in_range(f"{key}.d_ff", self.d_ff, 0, MAX_MODEL_DIM)
+    at_least(f"{key}.every", self.every, 1)
+    at_least(f"{key}.first_dense", self.first_dense, 0)
+    one_of(f"{key}.score", self.score, MOE_SCORES)
+    one_of(f"{key}.balance", self.balance, MOE_BALANCE)
+    for name in ("bias_rate", "aux_loss", "router_z_loss", "capacity_factor"):
+      at_least(f"{key}.{name}", getattr(self, name), 0)
+    if not self.enabled:
+      return
+    in_range(f"{key}.top_k", self.top_k, 1, self.experts)
+    if self.first_dense >= n_layers:
+      raise ConfigError(f"{key}.first_dense: {self.first_dense} dense layers leave no MoE layer "
+                        f"in model.n_layers={n_layers}; expected < {n_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Sliding-window (local) layers interleaved with global ones (docs/model.md)."""
+  window: int = 0  # >= 0; a local layer's query sees the last `window` positions of its own document, itself included (0: every layer global)
+  # >= 0; with a window, layers n-1, 2n-1, ... are global (6: Gemma's 5 local : 1 global);
+  # 0: every layer is local (Mistral)
+  global_every: int = 0
+
+  def check(self, key):
+    in_range(f"{key}.window", self.window, 0, MAX_SEQ_LEN)
+    at_least(f"{key}.global_every", self.global_every, 0)
