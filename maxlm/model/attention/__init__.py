@@ -1,8 +1,12 @@
-"""`attention(q, k, v, segment_ids, *, impl)`: one causal, segment-aware signature for every backend.
+"""`attention(q, k, v, segment_ids, *, impl, window)`: one causal, segment-aware signature for
+every backend.
 
 q is [B, L, H, D], k and v are [B, L, K, D] with K dividing H, segment_ids is [B, L] int32 with
 0 for padding; the result is [B, L, H, D]. Position i sees j iff j <= i and the segments are
-equal and non-zero; a padding row's output is 0. The 1/sqrt(D) scale is applied here.
+equal and non-zero; a padding row's output is 0. The 1/sqrt(D) scale is applied here. With
+`window` W > 0 (a local layer) also i - W < j: the last W positions, i itself included, as
+transformers' sliding-window masks; every implementation but `gpu_mha` takes it, and the
+skipping ones skip the blocks outside the window too, so a local layer costs O(L * W).
 
 | impl          | where         | how                                                            |
 |---------------|---------------|----------------------------------------------------------------|
@@ -49,32 +53,39 @@ def resolve(impl, platform=None, seq_len=None, docs_per_row=None):
 
 
 def attention(q, k, v, segment_ids, *, impl="auto", block_q=512, block_k=512, mesh=None,
-              batch_axes=None, head_axes=None, max_logit=False, docs_per_row=None):
+              batch_axes=None, head_axes=None, max_logit=False, docs_per_row=None, window=0):
   """Returns out [B, L, H, D], and with max_logit=True also the largest visible logit."""
   if q.shape[2] % k.shape[2]:
     raise MaxlmError(f"attention: {k.shape[2]} KV heads do not divide {q.shape[2]} heads")
   impl = resolve(impl, seq_len=q.shape[1], docs_per_row=docs_per_row)
+  if window and impl == "gpu_mha":
+    raise MaxlmError("attention impl 'gpu_mha' has no sliding window; use impl=gpu for "
+                     "model.attention.window > 0")
   interpret = jax.default_backend() == "cpu"
   if mesh is not None and mesh.shape.get("context", 1) > 1:
     out, peak = context.attention(q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes,
-                                  head_axes=head_axes, block_q=block_q, block_k=block_k)
+                                  head_axes=head_axes, block_q=block_q, block_k=block_k,
+                                  window=window)
   elif impl == "reference":
-    out, peak = reference.attention(q, k, v, segment_ids, segment_ids)
+    out, peak = reference.attention(q, k, v, segment_ids, segment_ids, window=window)
   elif impl == "blockwise":
     out, peak = blockwise.attention(q, k, v, segment_ids, segment_ids, block_q=block_q,
-                                    block_k=block_k)
+                                    block_k=block_k, window=window)
   elif impl == "gpu":
     out, peak = triton_segments.gpu(q, k, v, segment_ids, block=min(block_q, 128),
-                                    interpret=interpret)
+                                    interpret=interpret, window=window)
   else:
     if impl == "splash":
-      out = splash_segments.splash(q, k, v, segment_ids, block=block_q, interpret=interpret)
+      out = splash_segments.splash(q, k, v, segment_ids, block=block_q, interpret=interpret,
+                                   window=window)
     elif impl == "splash_causal":
-      out = kernels.splash(q, k, v, segment_ids, block=block_q, interpret=interpret)
+      out = kernels.splash(q, k, v, segment_ids, block=block_q, interpret=interpret,
+                           window=window)
     else:
       out = kernels.gpu(q, k, v, segment_ids, block=min(block_q, 128), interpret=interpret)
     peak = None
     if max_logit:  # the kernels do not report it; one forward pass without gradients does
       peak = jax.lax.stop_gradient(blockwise.attention(
-          q, k, v, segment_ids, segment_ids, block_q=block_q, block_k=block_k)[1])
+          q, k, v, segment_ids, segment_ids, block_q=block_q, block_k=block_k,
+          window=window)[1])
   return (out, peak if peak is not None else jnp.float32(jnp.nan)) if max_logit else out

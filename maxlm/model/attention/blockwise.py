@@ -3,7 +3,10 @@
 For each query block only the key blocks that can hold a visible key are visited: from the
 first key block whose segments reach the query block's lowest segment, up to the causal
 diagonal; a block in that range whose segment range misses the query block's is skipped too.
-A row of 32 documents therefore costs ~1/32 of a causal row. Memory is O(L * block): the
+A row of 32 documents therefore costs ~1/32 of a causal row. With a window W (a local layer:
+i sees j iff i - W < j <= i as well) the loop starts no earlier than the key block holding the
+query block's first position - W + 1, in the forward and backward pass alike, so a local layer
+costs O(L * (W + block)) instead of O(L^2). Memory is O(L * block): the
 backward pass recomputes each block's probabilities from the saved log-sum-exp.
 
 Rows are vmapped, not looped over: each step of the block loop works on every row at once
@@ -25,16 +28,30 @@ _BIG = np.iinfo(np.int32).max
 
 
 def attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset=0, *, block_q=256,
-              block_k=256):
-  """q [B,Lq,H,D], k/v [B,Lk,K,D] -> ([B,Lq,H,D], max visible logit)."""
+              block_k=256, window=0):
+  """q [B,Lq,H,D], k/v [B,Lk,K,D] -> ([B,Lq,H,D], max visible logit); window 0: global."""
   lq, lk = q.shape[1], k.shape[1]
   bq, bk = min(block_q, _ceil_to(lq, 8)), min(block_k, _ceil_to(lk, 8))
   q, qs = _pad(q, q_segment_ids, bq)
   k, ks = _pad(k, kv_segment_ids, bk)
   v, _ = _pad(v, kv_segment_ids, bk)
   offset = jnp.asarray(q_offset, jnp.int32)
-  out, max_logit = _attention(q, k, v, qs, ks, offset, bq, bk)
+  out, max_logit = _attention(q, k, v, qs, ks, offset, bq, bk, int(window))
   return out[:, :lq], max_logit
+
+
+def tile_count(q_segment_ids, kv_segment_ids, q_offset=0, *, block_q=256, block_k=256,
+               window=0):
+  """(Query block, key block) tiles the loops compute, summed over rows (each row alone):
+  those in each query block's [start, stop) range whose segment ranges overlap."""
+  lq, lk = q_segment_ids.shape[1], kv_segment_ids.shape[1]
+  bq, bk = min(block_q, _ceil_to(lq, 8)), min(block_k, _ceil_to(lk, 8))
+  qs, ks = _pad(q_segment_ids, q_segment_ids, bq)[1], _pad(kv_segment_ids, kv_segment_ids, bk)[1]
+  start, stop, (qlo, qhi, klo, khi) = _plan(qs, ks, jnp.int32(q_offset), bq, bk, window)
+  j = jnp.arange(klo.shape[1])[None, None, :]
+  in_range = (j >= start[..., None]) & (j < stop[..., None])
+  overlap = (klo[:, None, :] <= qhi[..., None]) & (khi[:, None, :] >= qlo[..., None])
+  return int(jnp.sum(in_range & overlap))
 
 
 def _ceil_to(n, m):
@@ -57,13 +74,16 @@ def _block_ranges(seg, block):
   return lo, hi
 
 
-def _plan(qs, ks, offset, bq, bk):
+def _plan(qs, ks, offset, bq, bk, window=0):
   """Per batch row and query block: the key-block loop bounds and the block ranges."""
   qlo, qhi = _block_ranges(qs, bq)
   klo, khi = _block_ranges(ks, bk)
   nq, nk = qlo.shape[1], klo.shape[1]
   reach = jax.lax.cummax(khi, axis=1)
   first = jax.vmap(lambda r, x: jnp.searchsorted(r, x, side="left"))(reach, qlo)
+  if window:  # the key block holding the block's first query position - W + 1
+    reach_back = jnp.maximum(offset + jnp.arange(nq) * bq - window + 1, 0) // bk
+    first = jnp.maximum(first, reach_back[None, :])
   last_q = offset + (jnp.arange(nq) + 1) * bq - 1
   stop = jnp.minimum(nk, last_q // bk + 1)[None, :]
   empty = qhi < 0
@@ -72,23 +92,26 @@ def _plan(qs, ks, offset, bq, bk):
   return start.astype(jnp.int32), stop.astype(jnp.int32), (qlo, qhi, klo, khi)
 
 
-def _scores(qi, kj, qsi, ksj, q_pos, k_pos, scale):
+def _scores(qi, kj, qsi, ksj, q_pos, k_pos, scale, window):
   s = jnp.einsum("qkgd,skd->kgqs", qi, kj, preferred_element_type=jnp.float32) * scale
-  mask = (q_pos[:, None] >= k_pos[None, :]) & (qsi[:, None] == ksj[None, :]) & (qsi > 0)[:, None]
+  distance = q_pos[:, None] - k_pos[None, :]
+  mask = (distance >= 0) & (qsi[:, None] == ksj[None, :]) & (qsi > 0)[:, None]
+  if window:
+    mask = mask & (distance < window)
   return jnp.where(mask[None, None], s, -jnp.inf)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k, v, qs, ks, offset, bq, bk):
-  return _forward(q, k, v, qs, ks, offset, bq, bk)[:2]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q, k, v, qs, ks, offset, bq, bk, window):
+  return _forward(q, k, v, qs, ks, offset, bq, bk, window)[:2]
 
 
-def _forward(q, k, v, qs, ks, offset, bq, bk):
+def _forward(q, k, v, qs, ks, offset, bq, bk, window):
   b, lq, h, d = q.shape
   kh = k.shape[2]
   g, nq, nk = h // kh, lq // bq, k.shape[1] // bk
   scale = 1.0 / np.sqrt(d)
-  start, stop, (qlo, qhi, klo, khi) = _plan(qs, ks, offset, bq, bk)
+  start, stop, (qlo, qhi, klo, khi) = _plan(qs, ks, offset, bq, bk, window)
 
   def row(args):
     qr, kr, vr, qsr, ksr, st, sp, ql, qh, kl, kh_ = args
@@ -105,7 +128,8 @@ def _forward(q, k, v, qs, ks, offset, bq, bk):
 
         def visit(carry):
           m, l, acc = carry
-          s = _scores(qi, k_blocks[j], qsi, ks_blocks[j], q_pos, j * bk + jnp.arange(bk), scale)
+          s = _scores(qi, k_blocks[j], qsi, ks_blocks[j], q_pos, j * bk + jnp.arange(bk), scale,
+                      window)
           m_new = jnp.maximum(m, s.max(-1))
           safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
           p = jnp.exp(s - safe[..., None])
@@ -131,19 +155,19 @@ def _forward(q, k, v, qs, ks, offset, bq, bk):
   return out.astype(q.dtype), jnp.max(mx), lse
 
 
-def _fwd(q, k, v, qs, ks, offset, bq, bk):
-  out, mx, lse = _forward(q, k, v, qs, ks, offset, bq, bk)
+def _fwd(q, k, v, qs, ks, offset, bq, bk, window):
+  out, mx, lse = _forward(q, k, v, qs, ks, offset, bq, bk, window)
   return (out, mx), (q, k, v, qs, ks, offset, out, lse)
 
 
-def _bwd(bq, bk, res, cotangents):
+def _bwd(bq, bk, window, res, cotangents):
   q, k, v, qs, ks, offset, out, lse = res
   d_out, _ = cotangents
   b, lq, h, d = q.shape
   kh = k.shape[2]
   g, nq, nk = h // kh, lq // bq, k.shape[1] // bk
   scale = 1.0 / np.sqrt(d)
-  start, stop, (qlo, qhi, klo, khi) = _plan(qs, ks, offset, bq, bk)
+  start, stop, (qlo, qhi, klo, khi) = _plan(qs, ks, offset, bq, bk, window)
   delta = jnp.einsum("bqhd,bqhd->bqh", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
   def row(args):
@@ -162,7 +186,8 @@ def _bwd(bq, bk, res, cotangents):
       def kv_step(j, inner):
         def visit(inner):
           dqi, dk, dv = inner
-          s = _scores(qi, k_blocks[j], qsi, ks_blocks[j], q_pos, j * bk + jnp.arange(bk), scale)
+          s = _scores(qi, k_blocks[j], qsi, ks_blocks[j], q_pos, j * bk + jnp.arange(bk), scale,
+                      window)
           p = jnp.exp(s - lsei[..., None])
           dv = dv.at[j].add(jnp.einsum("kgqs,qkgd->skd", p, doi.astype(jnp.float32)))
           dp = jnp.einsum("qkgd,skd->kgqs", doi, v_blocks[j], preferred_element_type=jnp.float32)

@@ -3,7 +3,8 @@
 Each device holds two query chunks, i and 2n-1-i of 2n (the zigzag that balances causal work),
 all-gathers K/V and segment ids, and runs blockwise attention of its chunks against the whole
 sequence at their global offsets, so segments and causality are exact across shard boundaries.
-Autodiff turns the all-gather into a reduce-scatter for dK/dV.
+Autodiff turns the all-gather into a reduce-scatter for dK/dV. A window (local layer) passes
+through: blockwise places each chunk at its global offset, so its window bounds are global too.
 """
 
 import functools
@@ -23,7 +24,8 @@ def _zigzag(length, n):
   return order, np.argsort(order), chunk
 
 
-def attention(q, k, v, segment_ids, *, mesh, batch_axes, head_axes, block_q, block_k):
+def attention(q, k, v, segment_ids, *, mesh, batch_axes, head_axes, block_q, block_k,
+              window=0):
   n = mesh.shape["context"]
   length = q.shape[1]
   extra = -length % (2 * n)
@@ -45,7 +47,7 @@ def attention(q, k, v, segment_ids, *, mesh, batch_axes, head_axes, block_q, blo
     for part, offset in ((0, d * chunk), (1, (2 * n - 1 - d) * chunk)):
       piece = slice(part * chunk, (part + 1) * chunk)
       out, peak = blockwise.attention(ql[:, piece], kf, vf, sl[:, piece], sf, offset,
-                                      block_q=block_q, block_k=block_k)
+                                      block_q=block_q, block_k=block_k, window=window)
       outs.append(out)
       peaks.append(peak)
     peak = jax.lax.pmax(jax.lax.stop_gradient(jnp.maximum(*peaks)), tuple(mesh.axis_names))

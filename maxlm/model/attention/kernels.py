@@ -1,6 +1,8 @@
 """Wrappers for jax's accelerator kernels as they come: TPU splash attention (skipping causal
 blocks only) and the Pallas-Triton `mha` (skipping none); `splash_causal` and `gpu_mha` in the
 table, kept to compare against the segment-skipping `splash_segments` and `triton_segments`.
+With a window, splash gets its own `LocalMask` (skipping the blocks outside the window); `mha`
+has no window.
 
 Both are given GQA, any length (padded to the tile with segment id 0) and the 1/sqrt(D) scale,
 and their padding rows are zeroed, so they keep `attention`'s contract. On CPU they run in
@@ -24,10 +26,12 @@ def _pad_to(x, block, axis=1):
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(length, groups, block, interpret):
+def _splash_kernel(length, groups, block, interpret, window):
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as sk, splash_attention_mask as sm)
-  mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(groups)])
+  one = (sm.LocalMask((length, length), window_size=(window - 1, 0), offset=0) if window
+         else sm.CausalMask((length, length)))
+  mask = sm.MultiHeadMask([one for _ in range(groups)])
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
@@ -35,14 +39,14 @@ def _splash_kernel(length, groups, block, interpret):
                             interpret=interpret), sk.SegmentIds
 
 
-def splash(q, k, v, segment_ids, *, block=512, interpret=False):
+def splash(q, k, v, segment_ids, *, block=512, interpret=False, window=0):
   """TPU splash attention, vmapped over batch and KV heads (each an MQA group)."""
   b, length, h, d = q.shape
   kh = k.shape[2]
   block = min(block, -(-length // 128) * 128)
   q, k, v, seg = (_pad_to(x, block) for x in (q, k, v, segment_ids))
   lp = q.shape[1]
-  kernel, segment_ids_cls = _splash_kernel(lp, h // kh, block, interpret)
+  kernel, segment_ids_cls = _splash_kernel(lp, h // kh, block, interpret, int(window))
   q = (q / np.sqrt(d).astype(q.dtype)).reshape(b, lp, kh, h // kh, d).transpose(0, 2, 3, 1, 4)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 

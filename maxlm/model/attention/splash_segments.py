@@ -10,9 +10,11 @@ lower triangle. Here the same `MaskInfo` arrays are built per batch row at run t
 run, so the pipeline issues no copy for it either (forward, dQ and dKV kernels alike).
 
 `visible_blocks` is the rule: a pair is visited iff it is at or below the causal diagonal and
-the blocks' non-zero segment ranges overlap. For packed rows (sorted segments, padding last)
-that is exactly the set of pairs holding a visible position; for any other row it is a superset
-(splash still applies the exact segment and causal mask inside each visited block).
+the blocks' non-zero segment ranges overlap; with a window W (a local layer) also its key block
+ends at or after the query block's first position - W + 1 (the mask function then adds
+i - W < j). For packed rows (sorted segments, padding last) that is exactly the set of pairs
+holding a visible position; for any other row it is a superset (splash still applies the exact
+segment and causal mask inside each visited block).
 
 Limits: the mask info is O((L / block)^2) per row in TPU scalar memory (int8 / int16), fine up
 to ~128 blocks a side (64K at block 512); longer rows belong to context parallelism. Rows are
@@ -22,6 +24,8 @@ vmapped; Pallas runs a batch of per-row mask infos as a loop of per-row kernel c
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from maxlm.model.attention import reference
 
 _BIG = np.iinfo(np.int32).max
 
@@ -38,12 +42,14 @@ def block_ranges(seg_BxL, block):
   return lo, hi
 
 
-def visible_blocks(seg_BxL, bq, bk):
+def visible_blocks(seg_BxL, bq, bk, window=0):
   """[B, nq, nk] bool: the (query block, key block) pairs that are visited."""
   qlo, qhi = block_ranges(seg_BxL, bq)
   klo, khi = block_ranges(seg_BxL, bk)
   nq, nk = qlo.shape[1], klo.shape[1]
   causal = (jnp.arange(nk) * bk)[None, :] <= ((jnp.arange(nq) + 1) * bq - 1)[:, None]
+  if window:
+    causal &= ((jnp.arange(nk) + 1) * bk - 1)[None, :] > (jnp.arange(nq) * bq - window)[:, None]
   overlap = (klo[:, None, :] <= qhi[:, :, None]) & (khi[:, None, :] >= qlo[:, :, None])
   return causal[None] & overlap
 
@@ -62,10 +68,10 @@ def _small(x, bound):
   return x.astype(jnp.int8 if bound <= 127 else jnp.int16 if bound <= 32767 else jnp.int32)
 
 
-def mask_infos(seg_BxL, bq, bk):
+def mask_infos(seg_BxL, bq, bk, window=0):
   """(fwd/dq MaskInfo, dkv MaskInfo), each array [B, 1, nq, nk], from segment ids."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mi
-  vis = visible_blocks(seg_BxL, bq, bk)
+  vis = visible_blocks(seg_BxL, bq, bk, window)
   nq, nk = vis.shape[1:]
   block_mask = _small(vis.astype(jnp.int32), 2)[:, None]
   q_sequence = jnp.arange(seg_BxL.shape[1], dtype=jnp.int32)
@@ -77,14 +83,16 @@ def mask_infos(seg_BxL, bq, bk):
   return fwd, dkv
 
 
-def block_count(seg_BxL, bq, bk):
+def block_count(seg_BxL, bq, bk, window=0):
   """Blocks each of the three kernels (forward, dQ, dKV) computes, summed over rows and heads
   once: the number of visited pairs."""
-  return int(jnp.sum(visible_blocks(seg_BxL, bq, bk)))
+  return int(jnp.sum(visible_blocks(seg_BxL, bq, bk, window)))
 
 
-def splash(q, k, v, segment_ids, *, block=512, interpret=False, mask_function=_causal):
-  """q [B,L,H,D], k/v [B,L,K,D], segment_ids [B,L] -> [B,L,H,D]; GQA, any length."""
+def splash(q, k, v, segment_ids, *, block=512, interpret=False, mask_function=_causal,
+           window=0):
+  """q [B,L,H,D], k/v [B,L,K,D], segment_ids [B,L] -> [B,L,H,D]; GQA, any length; window W > 0:
+  i also needs i - W < j."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   b, length, h, d = q.shape
   kh = k.shape[2]
@@ -96,7 +104,9 @@ def splash(q, k, v, segment_ids, *, block=512, interpret=False, mask_function=_c
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  fwd, dkv = mask_infos(segment_ids, block, block)
+  fwd, dkv = mask_infos(segment_ids, block, block, window)
+  if window:
+    mask_function = reference.Windowed(mask_function, int(window))
   q = (q / np.sqrt(d).astype(q.dtype)).transpose(0, 2, 1, 3)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 

@@ -13,6 +13,9 @@ before the kernel:
   dK/dV:          key block j visits query blocks [the causal diagonal, the last query block
                   of its latest document].
 
+With a window W the forward and dQ ranges start no earlier than the key block holding the query
+block's first position - W + 1, and the dK/dV ranges stop after the query block holding the key
+block's last position + W - 1; the tile mask adds i - W < j.
 For packed rows (sorted segments, padding last) these ranges are exactly the blocks holding a
 visible pair; for any other row they are a superset (the exact mask is applied in every tile).
 GQA is native in the forward and dQ kernels (the K/V tile of head h // groups); dK/dV are
@@ -29,7 +32,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from maxlm.model.attention import blockwise
+from maxlm.model.attention import blockwise, reference
 
 _MASKED = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
@@ -39,13 +42,13 @@ def _causal(q_pos, k_pos):
   return q_pos >= k_pos
 
 
-def q_ranges(seg_BxL, bq, bk):
+def q_ranges(seg_BxL, bq, bk, window=0):
   """[B, nq] start and stop key block for each query block (forward and dQ)."""
-  start, stop, _ = blockwise._plan(seg_BxL, seg_BxL, 0, bq, bk)
+  start, stop, _ = blockwise._plan(seg_BxL, seg_BxL, 0, bq, bk, window)
   return start, stop
 
 
-def k_ranges(seg_BxL, bq, bk):
+def k_ranges(seg_BxL, bq, bk, window=0):
   """[B, nk] start and stop query block for each key block (dK/dV)."""
   qlo, _ = blockwise._block_ranges(seg_BxL, bq)
   _, khi = blockwise._block_ranges(seg_BxL, bk)
@@ -53,13 +56,15 @@ def k_ranges(seg_BxL, bq, bk):
   suffix_min = lax.cummin(qlo, axis=1, reverse=True)  # non-decreasing along the row
   stop = jax.vmap(lambda s, x: jnp.searchsorted(s, x, side="right"))(suffix_min, khi)
   start = jnp.broadcast_to((jnp.arange(nk) * bk) // bq, stop.shape)
+  if window:  # past the query block holding the key block's last position + W - 1
+    stop = jnp.minimum(stop, ((jnp.arange(nk) + 1) * bk + window - 2) // bq + 1)
   stop = jnp.minimum(jnp.maximum(stop, start), nq)
   return start.astype(jnp.int32), stop.astype(jnp.int32)
 
 
-def block_count(seg_BxL, bq, bk):
+def block_count(seg_BxL, bq, bk, window=0):
   """Tiles the forward kernel computes per head: sum over rows and query blocks of the range."""
-  start, stop = q_ranges(seg_BxL, bq, bk)
+  start, stop = q_ranges(seg_BxL, bq, bk, window)
   return int(jnp.sum(stop - start))
 
 
@@ -168,16 +173,16 @@ def _specs(b, length, bq, bk, d, groups):
   }
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attention(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function):
-  return _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _attention(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function, window):
+  return _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function, window)[0]
 
 
-def _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function):
+def _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function, window):
   bq = bk = blocks[0]
   b, length, h, d = q.shape
   sp = _specs(b, length, bq, bk, d, h // k.shape[2])
-  start, stop = q_ranges(seg, bq, bk)
+  start, stop = q_ranges(seg, bq, bk, window)
   kernel = functools.partial(_fwd_kernel, scale=scale, bq=bq, bk=bk, mask_function=mask_function)
   rows = jax.ShapeDtypeStruct((b, h, length), jnp.float32)
   out, lse, m = _call(kernel, (length // bq, b, h),
@@ -189,7 +194,7 @@ def _forward(q, k, v, seg, scale, blocks, interpret, num_warps, mask_function):
   return (out, m), (q, k, v, seg, out, lse)
 
 
-def _bwd(scale, blocks, interpret, num_warps, mask_function, res, cotangents):
+def _bwd(scale, blocks, interpret, num_warps, mask_function, window, res, cotangents):
   bq = bk = blocks[1]
   q, k, v, seg, out, lse = res
   d_out, _ = cotangents  # the row maxima are reported, not differentiated
@@ -199,13 +204,13 @@ def _bwd(scale, blocks, interpret, num_warps, mask_function, res, cotangents):
   sp = _specs(b, length, bq, bk, d, groups)
   delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), d_out.astype(jnp.float32))
   common = dict(scale=scale, bq=bq, bk=bk, mask_function=mask_function)
-  qs, qe = q_ranges(seg, bq, bk)
+  qs, qe = q_ranges(seg, bq, bk, window)
   dq = _call(functools.partial(_dq_kernel, **common), (length // bq, b, h),
              [sp["range"], sp["range"], sp["q_tile"], sp["whole_kv"], sp["whole_kv"], sp["seg"],
               sp["q_tile"], sp["row_q"], sp["row_q"]],
              sp["q_tile"], jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, num_warps,
              "segments_dq", qs, qe, q, k, v, seg, d_out, lse, delta)
-  ks, ke = k_ranges(seg, bq, bk)
+  ks, ke = k_ranges(seg, bq, bk, window)
   kv_shape = jax.ShapeDtypeStruct((b, length, h, d), jnp.float32)
   dk, dv = _call(functools.partial(_dkv_kernel, **common), (length // bk, b, h),
                  [sp["range"], sp["range"], sp["whole_q"], sp["kv_tile"], sp["kv_tile"],
@@ -221,10 +226,11 @@ _attention.defvjp(lambda *a: _forward(*a), _bwd)
 
 
 def gpu(q, k, v, segment_ids, *, block=64, block_bwd=64, interpret=False, num_warps=None,
-        mask_function=_causal):
+        mask_function=_causal, window=0):
   """q [B,L,H,D], k/v [B,L,K,D], segment_ids [B,L] -> ([B,L,H,D], the largest visible logit);
   GQA, any length and head dim. Tiles: `block` (forward), min(block, block_bwd) (backward:
-  three accumulators per tile, as jax's kernel uses smaller backward tiles)."""
+  three accumulators per tile, as jax's kernel uses smaller backward tiles). Window W > 0: i
+  also needs i - W < j."""
   b, length, h, d = q.shape
   block = min(1 << (max(block, 16).bit_length() - 1), max(16, pl.next_power_of_2(length)))
   blocks = (block, min(block, block_bwd))  # Triton tiles are powers of two
@@ -234,8 +240,11 @@ def gpu(q, k, v, segment_ids, *, block=64, block_bwd=64, interpret=False, num_wa
   if pad_l or dp != d:
     q, k, v = (jnp.pad(x, [(0, 0), (0, pad_l), (0, 0), (0, dp - d)]) for x in (q, k, v))
   seg = jnp.pad(segment_ids, [(0, 0), (0, pad_l)]).astype(jnp.int32)
+  window = int(window)
+  if window:
+    mask_function = reference.Windowed(mask_function, window)
   out, m_BxHxL = _attention(q, k, v, seg, 1.0 / math.sqrt(d), blocks, interpret, num_warps,
-                            mask_function)
+                            mask_function, window)
   real = seg > 0
   peak = jnp.max(jnp.where(real[:, None, :], m_BxHxL, -jnp.inf)) / _LOG2E
   out = jnp.where(real[:, :, None, None], out, 0).astype(q.dtype)[:, :length, :, :d]
