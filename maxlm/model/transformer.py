@@ -93,7 +93,7 @@ class Attention(nn.Module):
     if mode != "dense":  # the indexer's parameters exist from the first non-dense stage on
       iq, iw, ik = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
     if self.decode:  # sampling attends densely over the cache
-      out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD)
+      out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
     elif mode == "sparse" and cp:
       out, peak, stats = sparse_context.sparse(
           q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, mesh=s.mesh,
@@ -133,26 +133,28 @@ class Attention(nn.Module):
     for name, value in stats.items():  # summed over layers by build.loss_fn
       self.sow("sparse", name, value)
 
-  def _cached(self, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD):
-    """One sequence continued: the new keys/values are written at the cache index and the
-    queries (at positions index..index+L-1) attend to everything cached up to themselves.
+  def _cached(self, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL):
+    """Rows continued together (eval/sample.py): the new keys, values and segment ids are
+    written at the cache index, one slot index shared by every row, and each query (slots
+    index..index+L-1) attends to the cached slots up to itself that hold its own segment id.
+    A slot of segment 0 (a shorter prompt's left padding, or not yet written) is never seen.
     The cache's length is the length of the input it was initialised with."""
     b, n, kh, d = k_BxLxKxD.shape
     initialised = self.has_variable("cache", "cached_key")
     key = self.variable("cache", "cached_key", jnp.zeros, (b, n, kh, d), k_BxLxKxD.dtype)
     value = self.variable("cache", "cached_value", jnp.zeros, (b, n, kh, d), v_BxLxKxD.dtype)
+    segment = self.variable("cache", "cached_segment", jnp.zeros, (b, n), jnp.int32)
     index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
     if not initialised:
       return jnp.zeros_like(q_BxLxHxD), jnp.float32(0)
     i = index.value
     key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxD, (0, i, 0, 0))
     value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxD, (0, i, 0, 0))
+    segment.value = jax.lax.dynamic_update_slice(segment.value,
+                                                 segment_ids_BxL.astype(jnp.int32), (0, i))
     index.value = i + n
-    total = key.value.shape[1]
-    k_pos = jnp.arange(total)
-    seg_q = jnp.ones((b, n), jnp.int32)
-    seg_k = jnp.where(k_pos < i + n, 1, 0)[None].repeat(b, 0).astype(jnp.int32)
-    return reference.attention(q_BxLxHxD, key.value, value.value, seg_q, seg_k, q_offset=i)
+    return reference.attention(q_BxLxHxD, key.value, value.value, segment_ids_BxL,
+                               segment.value, q_offset=i)
 
 
 class Mlp(nn.Module):

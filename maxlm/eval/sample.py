@@ -1,0 +1,223 @@
+"""Batched sampling on device: many prompts x n samples, one prefill, the decode loop in jit.
+
+Rows are prompt-major (row = prompt * n_samples + sample). Prompts of different lengths are
+left-padded to one length P, so every row's last prompt token sits at slot P-1 and the KV cache
+has one write index for all rows; padding slots have segment id 0, which the decoder's cache
+path (`Attention._cached`) never attends, and positions restart at 0 at each prompt's first
+token, so a row computes what the one-sequence sampler computes for its prompt alone. Then a
+`lax.while_loop` decodes one token per row per step until every row has emitted EOS or
+`max_new_tokens` are out, all inside one jitted function: no host round trip per token.
+
+Randomness: row r's key is fold_in(fold_in(key(seed), prompt index), sample index) and step t
+uses fold_in(row key, t), so a seed reproduces every sample and a row's sample does not depend
+on which other rows share the batch (pass `prompt_indices` to keep a prompt's index when
+batching a subset). A token is drawn from softmax(logits / temperature) restricted to the
+top-k logits and then to the smallest set of likeliest tokens whose mass reaches top_p;
+temperature 0 is greedy (argmax).
+
+`logprobs` are log softmax(logits)[token]: the model's unscaled distribution at temperature 1,
+with no top-k/top-p restriction, which is what a policy-gradient ratio (train/grpo.py) needs.
+Tokens after a row's EOS are PAD (0) with log-prob 0; `lengths` count the tokens up to and
+including EOS.
+
+Our own loop rather than a serving library: it runs the Decoder's own decode path (so local
+windows and MoE layers come with the model) under the run's mesh and logical rules.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxlm import MaxlmError
+from maxlm.eval.generate import SEEDS
+from maxlm.parallel import mesh as mesh_lib
+
+PAD = 0
+BUCKET = 8  # prompt lengths are padded up to a multiple of this, so fewer shapes compile
+
+
+def row_keys(seed, prompt_indices, n_samples):
+  """[len(prompt_indices) * n_samples, 2] uint32: each row's threefry key data."""
+  if not 0 <= seed < SEEDS:
+    raise MaxlmError(f"seed must be in [0, 2**64), got {seed}")
+  base = jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
+                                  impl="threefry2x32")
+  prompts = jnp.repeat(jnp.asarray(prompt_indices, jnp.uint32), n_samples)
+  samples = jnp.tile(jnp.arange(n_samples, dtype=jnp.uint32), len(prompt_indices))
+  fold = jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))
+  return np.asarray(jax.random.key_data(fold(prompts, samples)))
+
+
+def left_pad(prompts, n_samples, bucket=BUCKET):
+  """(tokens [N, P] int32 left-padded with PAD, prompt lengths [N]) with each prompt repeated
+  n_samples times; P is the longest prompt rounded up to a multiple of `bucket`."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise MaxlmError("every prompt needs at least one token (BOS)")
+  longest = max(len(p) for p in prompts)
+  width = -(-longest // bucket) * bucket
+  tokens = np.full((len(prompts) * n_samples, width), PAD, np.int32)
+  lengths = np.repeat(np.array([len(p) for p in prompts], np.int32), n_samples)
+  for i, p in enumerate(prompts):
+    tokens[i * n_samples:(i + 1) * n_samples, width - len(p):] = p
+  return tokens, lengths
+
+
+def restrict(logits_NxV, top_k=0, top_p=1.0):
+  """The logits with every token outside the top-k, then outside the top-p nucleus, at -inf."""
+  if top_k:
+    kth_N = jax.lax.top_k(logits_NxV, top_k)[0][:, -1:]
+    logits_NxV = jnp.where(logits_NxV < kth_N, -jnp.inf, logits_NxV)
+  if top_p < 1.0:
+    sorted_NxV = jnp.sort(logits_NxV, axis=-1)[:, ::-1]
+    probs_NxV = jax.nn.softmax(sorted_NxV, axis=-1)
+    before_NxV = jnp.cumsum(probs_NxV, axis=-1) - probs_NxV  # mass of the likelier tokens
+    kept_N = jnp.maximum(jnp.sum(before_NxV < top_p, axis=-1), 1)
+    floor_N = jnp.take_along_axis(sorted_NxV, kept_N[:, None] - 1, axis=-1)
+    logits_NxV = jnp.where(logits_NxV < floor_N, -jnp.inf, logits_NxV)
+  return logits_NxV
+
+
+def choose(logits_NxV, keys_N, temperature, top_k=0, top_p=1.0):
+  """[N] int32: one token per row (argmax at temperature 0)."""
+  if temperature <= 0:
+    return jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
+  scaled_NxV = restrict(logits_NxV.astype(jnp.float32) / temperature, top_k, top_p)
+  return jax.vmap(jax.random.categorical)(keys_N, scaled_NxV).astype(jnp.int32)
+
+
+def make_generate(model, *, max_new_tokens, temperature, top_k=0, top_p=1.0, eos_id=None):
+  """A jitted fn(params, tokens_NxP, prompt_lengths_N, keys_Nx2) -> (tokens_NxT int32,
+  lengths_N int32, logprobs_NxT float32), T = max_new_tokens; inputs as `left_pad` and
+  `row_keys` make them. Build it once and call it for every batch of the same shapes."""
+  decoder = model.clone(decode=True)
+  eos = -1 if eos_id is None else int(eos_id)
+
+  def forward(params, cache, tokens_NxL, positions_NxL, segments_NxL):
+    (h, head, _), state = decoder.apply({"params": params, "cache": cache}, tokens_NxL,
+                                        positions_NxL, segments_NxL, mutable=["cache"])
+    return h[:, -1].astype(jnp.float32) @ head.astype(jnp.float32), state["cache"]
+
+  def generate(params, tokens_NxP, prompt_lengths_N, keys_Nx2):
+    n, p = tokens_NxP.shape
+    ones = jnp.ones((n, p + max_new_tokens), jnp.int32)
+    shapes = jax.eval_shape(lambda: decoder.init(jax.random.key(0), ones, ones, ones))
+    cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    pad_N = p - prompt_lengths_N
+    slots_NxP = jnp.arange(p, dtype=jnp.int32)[None] - pad_N[:, None]
+    logits_NxV, cache = forward(params, cache, tokens_NxP, jnp.maximum(slots_NxP, 0),
+                                (slots_NxP >= 0).astype(jnp.int32))
+    keys_N = jax.random.wrap_key_data(keys_Nx2, impl="threefry2x32")
+
+    def body(state):
+      t, cache, logits_NxV, done_N, out_NxT, logp_NxT, lengths_N = state
+      step_keys_N = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_N, t)
+      token_N = choose(logits_NxV, step_keys_N, temperature, top_k, top_p)
+      logp_N = jnp.take_along_axis(jax.nn.log_softmax(logits_NxV, axis=-1), token_N[:, None],
+                                   axis=-1)[:, 0]
+      live_N = ~done_N
+      out_NxT = out_NxT.at[:, t].set(jnp.where(live_N, token_N, PAD))
+      logp_NxT = logp_NxT.at[:, t].set(jnp.where(live_N, logp_N, 0.0))
+      lengths_N = lengths_N + live_N.astype(jnp.int32)
+      done_N = done_N | (token_N == eos)
+      logits_NxV, cache = forward(params, cache, token_N[:, None],
+                                  (prompt_lengths_N + t)[:, None], jnp.ones((n, 1), jnp.int32))
+      return t + 1, cache, logits_NxV, done_N, out_NxT, logp_NxT, lengths_N
+
+    def cond(state):
+      return (state[0] < max_new_tokens) & ~jnp.all(state[3])
+
+    state = (jnp.int32(0), cache, logits_NxV, jnp.zeros((n,), bool),
+             jnp.full((n, max_new_tokens), PAD, jnp.int32),
+             jnp.zeros((n, max_new_tokens), jnp.float32), jnp.zeros((n,), jnp.int32))
+    _, _, _, _, out_NxT, logp_NxT, lengths_N = jax.lax.while_loop(cond, body, state)
+    return out_NxT, lengths_N, logp_NxT
+
+  return jax.jit(generate)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(model_ref, max_new_tokens, temperature, top_k, top_p, eos_id):
+  return make_generate(model_ref.model, max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, eos_id=eos_id)
+
+
+class _ById:
+  """A model as a cache key by identity (its Settings hold a dict, so it does not hash)."""
+
+  def __init__(self, model):
+    self.model = model
+
+  def __hash__(self):
+    return id(self.model)
+
+  def __eq__(self, other):
+    return self.model is other.model
+
+
+def _shard_rows(arrays, mesh, rules):
+  """Rows padded to a multiple of the mesh's batch shards and placed split over them."""
+  axes = tuple(rules.get("batch", ()))
+  shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+  n = arrays[0].shape[0]
+  extra = -n % shards
+  out = []
+  for a in arrays:
+    a = np.concatenate([a, np.repeat(a[:1], extra, axis=0)]) if extra else a
+    spec = P(axes or None, *([None] * (a.ndim - 1)))
+    out.append(jax.device_put(a, NamedSharding(mesh, spec)))
+  return out
+
+
+def generate_arrays(model, params, prompts, *, n_samples, max_new_tokens, temperature,
+                    top_k=0, top_p=1.0, seed=0, eos_id=None, mesh=None, rules=None,
+                    prompt_indices=None):
+  """(tokens [N, T], lengths [N], logprobs [N, T]) as numpy arrays, N = len(prompts) *
+  n_samples prompt-major; see the module docstring for what each holds."""
+  check(n_samples, max_new_tokens, temperature, top_k, top_p, model.cfg.vocab_size)
+  indices = range(len(prompts)) if prompt_indices is None else prompt_indices
+  if len(indices) != len(prompts):
+    raise MaxlmError(f"{len(indices)} prompt indices for {len(prompts)} prompts")
+  tokens, lengths = left_pad(prompts, n_samples)
+  keys = row_keys(seed, indices, n_samples)
+  fn = _compiled(_ById(model), max_new_tokens, float(temperature), int(top_k), float(top_p),
+                 eos_id)
+  n = tokens.shape[0]
+  if mesh is None:
+    out = fn(params, tokens, lengths, keys)
+  else:
+    rules = model.settings.rules if rules is None else rules
+    with mesh, nn.logical_axis_rules(mesh_lib.rules_list(rules or {})):
+      out = fn(params, *_shard_rows([tokens, lengths, keys], mesh, rules or {}))
+  return tuple(np.asarray(jax.device_get(a))[:n] for a in out)
+
+
+def sample_batch(model, params, prompts, *, n_samples, max_new_tokens, temperature, top_k=0,
+                 top_p=1.0, seed=0, eos_id=None, mesh=None, rules=None, prompt_indices=None):
+  """Per prompt, n_samples completions (token lists without the prompt, ending at and
+  including EOS when one was sampled)."""
+  tokens, lengths, _ = generate_arrays(
+      model, params, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
+      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, mesh=mesh,
+      rules=rules, prompt_indices=prompt_indices)
+  rows = [tokens[r, :lengths[r]].tolist() for r in range(tokens.shape[0])]
+  return [rows[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
+
+
+def check(n_samples, max_new_tokens, temperature, top_k, top_p, vocab=None):
+  """One line for a setting the batched sampler cannot honour."""
+  if n_samples < 1:
+    raise MaxlmError(f"n_samples must be >= 1, got {n_samples}")
+  if max_new_tokens < 1:
+    raise MaxlmError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if not (np.isfinite(temperature) and temperature >= 0):
+    raise MaxlmError(f"temperature must be a finite number >= 0 (0 is greedy), got "
+                     f"{temperature}")
+  if top_k < 0 or vocab is not None and top_k > vocab:
+    raise MaxlmError(f"top_k must be in [0, {vocab or 'the vocabulary size'}] (0: all), got "
+                     f"{top_k}")
+  if not 0 < top_p <= 1:
+    raise MaxlmError(f"top_p must be in (0, 1], got {top_p}")
