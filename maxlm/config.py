@@ -146,6 +146,7 @@ class RopeConfig:
 class MeshConfig:
   data: int = -1  # >= 1 or -1 (the devices left over; one axis at most)
   fsdp: int = 1  # >= 1 or -1
+  expert: int = 1  # >= 1 or -1; splits the routed experts (and the batch) over its devices
   tensor: int = 1  # >= 1 or -1
   context: int = 1  # >= 1 or -1
 
@@ -239,13 +240,14 @@ def yaml_name(field_name):
   return YAML_NAMES.get(field_name, field_name)
 
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
 MAX_SEED = 2**32 - 1
 DEFAULT_RULES = {  # logical axis -> mesh axes; activations are the act_* names
-    "batch": ("data", "fsdp"), "length": ("context",), "act_embed": (), "act_heads": ("tensor",),
-    "act_kv_heads": ("tensor",), "act_mlp": ("tensor",), "act_vocab": ("tensor",),
-    "embed": ("fsdp",), "vocab": ("tensor",), "q_heads": ("tensor",), "kv_heads": ("tensor",),
-    "mlp": ("tensor",), "gate_up": (), "head_dim": (), "layers": (), "norm": (),
+    "batch": ("data", "fsdp", "expert"), "length": ("context",), "act_embed": (),
+    "act_heads": ("tensor",), "act_kv_heads": ("tensor",), "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",), "embed": ("fsdp",), "vocab": ("tensor",), "q_heads": ("tensor",),
+    "kv_heads": ("tensor",), "mlp": ("tensor",), "gate_up": (), "head_dim": (), "layers": (),
+    "norm": (), "expert": ("expert",),
 }
 
 
@@ -296,6 +298,7 @@ class StageConfig:
   block_k: int = 512  # >= 8
   mesh: MeshConfig = MeshConfig()
   sparse: SparseConfig = SparseConfig()
+  objective: str = ""  # lm | dpo | grpo: this stage's objective (default: train.objective)
 
   @property
   def num_steps(self):
@@ -317,6 +320,8 @@ class StageConfig:
     self.rope.check(f"{key}.rope")
     self.mesh.check(f"{key}.mesh")
     self.sparse.check(f"{key}.sparse")
+    if self.objective not in ("", "lm", "dpo", "grpo"):
+      raise ConfigError(f"{key}.objective: expected lm, dpo or grpo, got {self.objective!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +355,7 @@ class Config:
     self.model.check("model")
     self.train.check("train")
     self.init.check("init")
-    if self.train.objective == "dpo" and not self.init.from_:
+    if "dpo" in map(self.objective_for, range(len(self.stages))) and not self.init.from_:
       raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
                         "and are the frozen reference model (docs/pairs.md)")
     for i, stage in enumerate(self.stages):
@@ -363,6 +368,9 @@ class Config:
 
   def mix_for(self, stage_index):
     return self.stages[stage_index].mix or self.data.mix
+
+  def objective_for(self, stage_index):
+    return self.stages[stage_index].objective or self.train.objective
 
 
 def load(path, overrides=()):

@@ -21,6 +21,11 @@ device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
                and d(hidden) [N, D]; it peaks at another moment than `working` + `attention`, so
                the total counts the larger of the two.
 DPO stages add a frozen float32 reference copy of the parameters (counted in `params`).
+Mixture of experts: `params` (and the optimizer and gradients) count ALL experts of every
+MoE layer, which a device holds whatever route its tokens take; the activation terms take F as
+the width a position goes through, averaged over layers ((top_k + shared) x the expert width
+in an MoE layer, `mlp_width`), plus the routing copies (2 top_k D + E a position). FLOPs and
+MFU count only the active parameters instead (maxlm/model/build.py); `param_counts` gives both.
 Sparse-attention stages' indexer is not counted.
 
 The check: `tools/bench_memory.py` compiles the train step on fake CPU devices for sizes, remat
@@ -59,10 +64,11 @@ def estimate(config, s, n_devices, vocab, platform=None):
   length = stage.seq_len / ways("length")
   n = rows * length
   cdt = 2 if m.dtype == "bfloat16" else 4
-  d, f, hd = m.d_model, m.d_ff / ways("act_mlp"), m.head_dim
+  d, f, hd = m.d_model, mlp_width(m) / ways("act_mlp"), m.head_dim
   h, k = m.n_heads / ways("act_heads"), m.n_kv_heads / ways("act_kv_heads")
   saved = {"none": 7 * d + 3 * (h + k) * hd + 5 * f, "full": d,
            "dots": 2 * d + (h + 2 * k) * hd + 2 * f}[m.remat.replace("dots_no_batch", "dots")]
+  saved += _routing(m) if m.remat != "full" else 0
   w_f, w_a, w_d = WORKING[m.remat]
   impl = attention_lib.resolve(stage.attention, platform, stage.seq_len)
   scores = rows * h * length * stage.seq_len * 4 if impl == "reference" and shape[
@@ -83,6 +89,32 @@ def estimate(config, s, n_devices, vocab, platform=None):
   peak = max(parts["working"] + parts["attention"], parts["logits"])
   state = parts["params"] + parts["optimizer"] + parts["gradients"]
   return {**parts, "state": state, "total": state + parts["activations"] + peak}
+
+
+def mlp_width(m):
+  """The MLP width a position goes through, averaged over layers: d_ff in a dense layer,
+  (top_k + shared_experts) x the expert width in an MoE layer (tokens go to top_k experts)."""
+  from maxlm.model import layers
+  specs = layers.specs(m)
+  moe_width = (m.moe.top_k + m.moe.shared_experts) * (m.moe.d_ff or m.d_ff)
+  return sum(moe_width if spec.moe else m.d_ff for spec in specs) / len(specs)
+
+
+def _routing(m):
+  """Per position and layer, averaged over layers, what routing keeps beyond the MLP: the
+  top_k copies of the input sorted by expert and of their outputs, and the router's scores."""
+  from maxlm.model import layers
+  specs = layers.specs(m)
+  return sum(2 * m.moe.top_k * m.d_model + m.moe.experts for spec in specs if spec.moe) / len(
+      specs)
+
+
+def param_counts(config, vocab):
+  """{"total": every parameter (all experts of every MoE layer), "active": those a token goes
+  through (maxlm/model/build.py active_params: the FLOPs and MFU count these)}."""
+  from maxlm.model import build
+  total = sum(math.prod(dims) for _, dims, _ in build.param_axes(config, vocab))
+  return {"total": total, "active": build.active_params(config.model, total)}
 
 
 def _layers_gathered(axes, rules, shape):
@@ -126,8 +158,8 @@ def compiled(config, s, n_devices, vocab):
           + out["temporaries"]}
 
 
-def format_table(config, estimates, n_devices):
-  """The estimate per stage as a table, in GiB per device."""
+def format_table(config, estimates, n_devices, counts=None):
+  """The estimate per stage as a table, in GiB per device (and `param_counts`' line)."""
   names = [p for p in PARTS] + ["total"]
   lines = [f"per-device memory estimate on {n_devices} device(s), GiB (maxlm/parallel/memory.py)",
            f"{'stage':<10}{'mesh':<14}" + "".join(f"{p:>12}" for p in names)]
@@ -137,6 +169,6 @@ def format_table(config, estimates, n_devices):
     mesh = "x".join(str(x) for x in shape)
     lines.append(f"{stage.name or i!s:<10}{mesh:<14}"
                  + "".join(f"{est[p] / 2**30:>12.3f}" for p in names))
-  lines.append("mesh is data x fsdp x tensor x context; total = params + optimizer + gradients + "
-               "activations + the larger of (working + attention) and logits")
+  lines.append("mesh is data x fsdp x expert x tensor x context; total = params + optimizer + "
+               "gradients + activations + the larger of (working + attention) and logits")
   return "\n".join(lines)

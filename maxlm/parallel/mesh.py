@@ -1,4 +1,4 @@
-"""The device mesh (data, fsdp, tensor, context) and the logical -> mesh axis rules.
+"""The device mesh (data, fsdp, expert, tensor, context) and the logical -> mesh axis rules.
 
 Every parameter and key activation carries logical axis names (see `model.transformer`);
 `config.rules` maps them to mesh axes.
