@@ -1,0 +1,233 @@
+"""Mixture-of-experts MLP (`model.moe`): top-k routing, routed SwiGLU experts, shared experts.
+
+`MoeMlp` replaces the dense `Mlp` in the layers `maxlm/model/layers.py` marks MoE. Its middle is
+three pure functions so expert parallelism (maxlm/parallel/expert.py) can swap the expert
+computation while routing stays one implementation:
+
+  route(x_TxD, router_DxE, bias_E, moe_cfg, mask_T) -> (expert_TxK, weight_TxK, stats)
+  experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity) -> y_TxD
+  experts_loop(...)  same signature: a per-expert loop, the reference the tests hold it to
+
+Routing (DeepSeek-V3): router logits in float32; softmax or sigmoid scores; the bias (collection
+"moe_bias", updated outside the gradient by the training step) only chooses the top k, the
+weights are the unbiased scores of the chosen experts, renormalized over them with `norm_topk`.
+A slot whose token is padding (segment id 0) is routed to the sentinel expert E with weight 0:
+every experts_* function computes nothing for it and counts it in neither load nor capacity.
+
+Experts: dropless by default - token slots sorted by expert and two grouped matmuls
+(`jax.lax.ragged_dot`; on TPU the megablox kernel jax ships, chosen in `grouped_matmul` only).
+With `capacity` > 0 each expert keeps its first `capacity` slots in token order and the rest
+contribute 0 (the layer sows how many were dropped).
+
+Per-layer statistics are sown into collection "moe": load [E] (real token slots per expert,
+float32), aux_loss (Switch/GShard E * sum_e f_e P_e), z_loss (mean logsumexp^2 of the logits),
+entropy (mean over tokens of the score distribution's entropy) and dropped (capacity mode).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+GROUPED_IMPLS = ("ragged_dot", "megablox", "megablox_interpret")
+_MEGABLOX_TILE_M = 128
+
+
+def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
+  """Top-k routing for T tokens; cfg is config_model.MoeConfig. mask_T (bool) marks real tokens.
+
+  Returns expert_TxK int32 (E for a masked token), weight_TxK float32 (0 for a masked token) and
+  stats {load [E], aux_loss, z_loss, entropy} over the real tokens."""
+  n_experts = router_DxE.shape[1]
+  logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+  if cfg.score == "softmax":
+    scores_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+  else:
+    scores_TxE = jax.nn.sigmoid(logits_TxE)
+  choice_TxE = scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+  _, expert_TxK = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE), cfg.top_k)
+  weight_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
+  if cfg.norm_topk:
+    weight_TxK = weight_TxK / (jnp.sum(weight_TxK, axis=-1, keepdims=True) + 1e-20)
+  if mask_T is None:
+    mask_T = jnp.ones(x_TxD.shape[0], bool)
+  expert_TxK = jnp.where(mask_T[:, None], expert_TxK, n_experts).astype(jnp.int32)
+  weight_TxK = jnp.where(mask_T[:, None], weight_TxK, 0.0)
+  return expert_TxK, weight_TxK, _route_stats(logits_TxE, scores_TxE, expert_TxK, mask_T, cfg)
+
+
+def _route_stats(logits_TxE, scores_TxE, expert_TxK, mask_T, cfg):
+  n_experts = logits_TxE.shape[1]
+  real_T = mask_T.astype(jnp.float32)
+  n_real = jnp.maximum(jnp.sum(real_T), 1.0)
+  load_E = jnp.bincount(expert_TxK.reshape(-1), length=n_experts).astype(jnp.float32)
+  probs_TxE = scores_TxE
+  if cfg.score != "softmax":  # sigmoid scores, normalized per token into a distribution
+    probs_TxE = scores_TxE / (jnp.sum(scores_TxE, axis=-1, keepdims=True) + 1e-20)
+  fraction_E = load_E / (n_real * cfg.top_k)
+  mean_prob_E = jnp.sum(probs_TxE * real_T[:, None], axis=0) / n_real
+  lse_T = jax.nn.logsumexp(logits_TxE, axis=-1)
+  entropy_T = -jnp.sum(probs_TxE * jnp.log(jnp.maximum(probs_TxE, 1e-30)), axis=-1)
+  return {"load": load_E,
+          "aux_loss": n_experts * jnp.sum(fraction_E * mean_prob_E),
+          "z_loss": jnp.sum(real_T * lse_T * lse_T) / n_real,
+          "entropy": jax.lax.stop_gradient(jnp.sum(real_T * entropy_T) / n_real)}
+
+
+def capacity_for(cfg, n_tokens):
+  """Slots each expert keeps: ceil(capacity_factor * T * k / E); 0 means dropless."""
+  if cfg.capacity_factor <= 0:
+    return 0
+  return math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.experts)
+
+
+def dropped_slots(load_E, capacity):
+  """Real token slots over their expert's capacity (0 when dropless)."""
+  if not capacity:
+    return jnp.float32(0)
+  return jnp.sum(jnp.maximum(load_E - capacity, 0.0))
+
+
+def default_grouped_impl():
+  """The one place that picks the grouped matmul: megablox where it runs (TPU), else ragged_dot."""
+  return "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
+
+
+def grouped_matmul(lhs_MxK, rhs_GxKxN, sizes_G, impl=None):
+  """Rows of lhs in consecutive groups (sizes_G) times their group's matrix; rows past the
+  groups' total are 0. Output in lhs's dtype."""
+  impl = impl or default_grouped_impl()
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(lhs_MxK, rhs_GxKxN, sizes_G)
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # TPU kernels
+  m, k = lhs_MxK.shape
+  n = rhs_GxKxN.shape[2]
+  pad = -m % _MEGABLOX_TILE_M
+  out = megablox.gmm(jnp.pad(lhs_MxK, ((0, pad), (0, 0))), rhs_GxKxN, sizes_G.astype(jnp.int32),
+                     preferred_element_type=lhs_MxK.dtype,
+                     tiling=(_MEGABLOX_TILE_M, min(128, k), min(128, n)),
+                     interpret=impl == "megablox_interpret")
+  return out[:m]
+
+
+def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
+                    impl=None):
+  """Routed SwiGLU experts over token slots sorted by expert (two grouped matmuls); computes in
+  x's dtype. capacity 0: dropless; > 0: each expert's slots past `capacity` in token order
+  contribute 0. Slots with expert id E (padding) contribute 0."""
+  n_tokens, k = expert_TxK.shape
+  n_experts, d, _, f = gate_up_ExDx2xF.shape
+  n_slots = n_tokens * k
+  dt = x_TxD.dtype
+  expert_S = expert_TxK.reshape(-1)
+  order_S = jnp.argsort(expert_S, stable=True)  # slot indices, grouped by expert, token order
+  sizes_E = jnp.bincount(expert_S, length=n_experts).astype(jnp.int32)  # sentinel E not counted
+  if capacity:
+    sorted_S = expert_S[order_S]
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    rank_S = jnp.arange(n_slots) - start_E[jnp.minimum(sorted_S, n_experts - 1)]
+    kept_S = (sorted_S < n_experts) & (rank_S < capacity)
+    order_S = order_S[jnp.argsort(jnp.where(kept_S, sorted_S, n_experts), stable=True)]
+    sizes_E = jnp.minimum(sizes_E, capacity)
+  x_SxD = x_TxD[order_S // k]
+  gate_up_Sx2F = grouped_matmul(x_SxD, gate_up_ExDx2xF.reshape(n_experts, d, 2 * f).astype(dt),
+                                sizes_E, impl)
+  gate_up_Sx2xF = gate_up_Sx2F.reshape(n_slots, 2, f)
+  h_SxF = nn.silu(gate_up_Sx2xF[:, 0]) * gate_up_Sx2xF[:, 1]
+  y_SxD = grouped_matmul(h_SxF, down_ExFxD.astype(dt), sizes_E, impl)
+  y_SxD = jnp.where((jnp.arange(n_slots) < jnp.sum(sizes_E))[:, None], y_SxD, 0)
+  unsort_S = jnp.zeros(n_slots, jnp.int32).at[order_S].set(jnp.arange(n_slots, dtype=jnp.int32))
+  y_TxKxD = y_SxD[unsort_S].reshape(n_tokens, k, d)
+  return jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), weight_TxK).astype(dt)
+
+
+def experts_loop(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0):
+  """Reference for experts_grouped: every expert runs on every token, then is masked."""
+  n_tokens, k = expert_TxK.shape
+  dt = x_TxD.dtype
+  y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
+  for e in range(gate_up_ExDx2xF.shape[0]):
+    gate_up_Tx2xF = jnp.einsum("td,dgf->tgf", x_TxD, gate_up_ExDx2xF[e].astype(dt))
+    h_TxF = nn.silu(gate_up_Tx2xF[:, 0]) * gate_up_Tx2xF[:, 1]
+    out_TxD = (h_TxF @ down_ExFxD[e].astype(dt)).astype(jnp.float32)
+    mine_S = expert_TxK.reshape(-1) == e
+    if capacity:  # the first `capacity` slots in token order
+      mine_S = mine_S & (jnp.cumsum(mine_S) <= capacity)
+    w_T = jnp.sum(jnp.where(mine_S.reshape(n_tokens, k), weight_TxK, 0.0), axis=-1)
+    y_TxD = y_TxD + w_T[:, None] * out_TxD
+  return y_TxD.astype(dt)
+
+
+class _Router(nn.Module):
+  n_experts: int
+  std: float
+
+  @nn.compact
+  def __call__(self, d):
+    return self.param("kernel", nn.with_logical_partitioning(
+        nn.initializers.normal(self.std), ("embed", None)), (d, self.n_experts), jnp.float32)
+
+
+class _Experts(nn.Module):
+  n_experts: int
+  d_ff: int
+  std: float
+  out_std: float
+
+  @nn.compact
+  def __call__(self, d):
+    e, f = self.n_experts, self.d_ff
+    gate_up = self.param("gate_up", nn.with_logical_partitioning(
+        nn.initializers.normal(self.std), ("expert", "embed", "gate_up", "mlp")),
+        (e, d, 2, f), jnp.float32)
+    down = self.param("down", nn.with_logical_partitioning(
+        nn.initializers.normal(self.out_std), ("expert", "mlp", "embed")), (e, f, d), jnp.float32)
+    return gate_up, down
+
+
+def _experts_fn(settings):
+  """experts_grouped, or the expert-parallel version when the mesh has an expert axis > 1."""
+  mesh = getattr(settings, "mesh", None)
+  if mesh is not None and mesh.shape.get("expert", 1) > 1:
+    from maxlm.parallel import expert  # pylint: disable=import-outside-toplevel
+    return functools.partial(expert.experts_sharded, mesh=mesh)
+  return experts_grouped
+
+
+class MoeMlp(nn.Module):
+  """Routed experts (+ shared experts) in place of a layer's Mlp; cfg is the ModelConfig."""
+  cfg: Any
+  settings: Any = None  # transformer.Settings; its mesh decides expert parallelism
+
+  @nn.compact
+  def __call__(self, x_BxLxD, segment_ids_BxL=None):
+    from maxlm.model.transformer import Mlp  # pylint: disable=import-outside-toplevel
+    c, m = self.cfg, self.cfg.moe
+    dt = jnp.dtype(c.dtype)
+    b, length, d = x_BxLxD.shape
+    d_ff = m.d_ff or c.d_ff
+    router_DxE = _Router(m.experts, c.init_std, name="router")(d)
+    gate_up, down = _Experts(m.experts, d_ff, c.init_std, c.init_std / (2 * c.n_layers) ** 0.5,
+                             name="experts")(d)
+    if self.is_initializing() or self.has_variable("moe_bias", "bias"):
+      bias_E = self.variable("moe_bias", "bias", jnp.zeros, (m.experts,), jnp.float32).value
+    else:  # applied with parameters only (export, sampling): no bias state, selection unbiased
+      bias_E = jnp.zeros((m.experts,), jnp.float32)
+    x_TxD = x_BxLxD.astype(dt).reshape(b * length, d)
+    mask_T = None if segment_ids_BxL is None else segment_ids_BxL.reshape(-1) > 0
+    expert_TxK, weight_TxK, stats = route(x_TxD, router_DxE, bias_E, m, mask_T)
+    capacity = capacity_for(m, b * length)
+    y_TxD = _experts_fn(self.settings)(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
+    stats["dropped"] = dropped_slots(stats["load"], capacity)
+    for name, value in stats.items():
+      self.sow("moe", name, value)
+    y_BxLxD = y_TxD.reshape(b, length, d).astype(dt)
+    if m.shared_experts:
+      shared_cfg = dataclasses.replace(c, d_ff=m.shared_experts * d_ff)
+      y_BxLxD = y_BxLxD + Mlp(shared_cfg, name="shared")(x_BxLxD)
+    return y_BxLxD

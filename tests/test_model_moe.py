@@ -1,0 +1,238 @@
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from maxlm import config
+from maxlm.config_model import MoeConfig
+from maxlm.model import moe
+
+B, L, D, E, F = 2, 24, 32, 6, 16
+
+
+def model_config(**moe_keys):
+  keys = {"experts": E, "top_k": 2, "d_ff": F, **moe_keys}
+  return config.from_dict({
+      "model": {"size": "tiny", "vocab_size": 64, "d_model": D, "dtype": "float32",
+                "moe": keys},
+      "stages": [{"seq_len": L, "batch": B, "steps": 1}]}).model
+
+
+def inputs(seed=0, n=B * L):
+  return jax.random.normal(jax.random.key(seed), (n, D), jnp.float32)
+
+
+def weights(seed=1, n_experts=E, d_ff=F):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(k1, (D, n_experts)) * 0.5,
+          jax.random.normal(k2, (n_experts, D, 2, d_ff)) * 0.2,
+          jax.random.normal(k3, (n_experts, d_ff, D)) * 0.2)
+
+
+def segments():
+  seg = np.repeat(np.arange(1, 4), L // 3)[None].repeat(B, 0).astype(np.int32)
+  seg[1, L - 5:] = 0  # padding at the end of the second row
+  return jnp.asarray(seg)
+
+
+def apply_layer(cfg, params, x_BxLxD, seg_BxL, bias=None):
+  variables = {"params": params}
+  if bias is not None:
+    variables["moe_bias"] = bias
+  return moe.MoeMlp(cfg).apply(variables, x_BxLxD, seg_BxL, mutable=["moe"])
+
+
+@pytest.mark.parametrize("score,norm_topk,shared", [
+    ("softmax", True, 0), ("softmax", False, 1), ("sigmoid", True, 1), ("sigmoid", False, 0)])
+def test_layer_grouped_equals_loop_outputs_and_grads(monkeypatch, score, norm_topk, shared):
+  cfg = model_config(score=score, norm_topk=norm_topk, shared_experts=shared)
+  x_BxLxD = inputs().reshape(B, L, D)
+  seg = segments()
+  variables = moe.MoeMlp(cfg).init(jax.random.key(3), x_BxLxD, seg)
+  params = jax.tree_util.tree_map(lambda p: p * 10, nn.meta.unbox(variables["params"]))
+  bias = {"bias": jnp.linspace(-0.1, 0.1, E)}
+
+  def loss(p, x):
+    y, _ = apply_layer(cfg, p, x, seg, bias)
+    return jnp.sum(jnp.sin(y)), y
+
+  results = {}
+  for name, fn in (("grouped", moe.experts_grouped), ("loop", moe.experts_loop)):
+    monkeypatch.setattr(moe, "_experts_fn", lambda _s, fn=fn: fn)
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BxLxD)
+    results[name] = (y, grads)
+  (y_g, grads_g), (y_l, grads_l) = results["grouped"], results["loop"]
+  assert float(jnp.max(jnp.abs(y_l))) > 1e-2  # the layer computes something
+  np.testing.assert_allclose(y_g, y_l, atol=1e-5, rtol=1e-5)
+  flat_g = jax.tree_util.tree_leaves_with_path(grads_g)
+  flat_l = jax.tree_util.tree_leaves(grads_l)
+  assert len(flat_g) == len(flat_l) == 4 + (2 if shared else 0)
+  for (path, g), l in zip(flat_g, flat_l):
+    assert float(jnp.max(jnp.abs(l))) > 0, path
+    np.testing.assert_allclose(g, l, atol=1e-5, rtol=1e-5, err_msg=str(path))
+
+
+def test_params_and_logical_names_follow_the_contract():
+  cfg = model_config(shared_experts=2)
+  boxed = jax.eval_shape(lambda: moe.MoeMlp(cfg).init(
+      jax.random.key(0), jnp.zeros((B, L, D)), segments()))
+  leaves = {"/".join(k.key for k in path): (leaf.value.shape, leaf.names)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(
+                boxed["params"], is_leaf=lambda v: isinstance(v, nn.LogicallyPartitioned))}
+  assert leaves == {
+      "router/kernel": ((D, E), ("embed", None)),
+      "experts/gate_up": ((E, D, 2, F), ("expert", "embed", "gate_up", "mlp")),
+      "experts/down": ((E, F, D), ("expert", "mlp", "embed")),
+      "shared/gate_up/kernel": ((D, 2, 2 * F), ("embed", "gate_up", "mlp")),
+      "shared/down/kernel": ((2 * F, D), ("mlp", "embed"))}
+  assert boxed["moe_bias"]["bias"].shape == (E,)
+  assert boxed["moe_bias"]["bias"].dtype == jnp.float32
+
+
+def test_capacity_drops_exactly_the_overflow_slots():
+  # 8 tokens, k=2, 3 experts, capacity 3; slots in token order per expert:
+  expert_TxK = jnp.array([[0, 1], [0, 2], [1, 0], [0, 1], [2, 1], [1, 0], [2, 0], [1, 2]])
+  capacity = 3
+  # expert 0 slots: t0,t1,t2,t3,t5,t6 -> keep t0..t2; expert 1: t0,t2,t3,t4,t5,t7 -> keep
+  # t0,t2,t3; expert 2: t1,t4,t6,t7 -> keep t1,t4,t6
+  kept_TxK = np.array([[1, 1], [1, 1], [1, 1], [0, 1], [1, 0], [0, 0], [1, 0], [0, 0]], bool)
+  x_TxD = inputs(n=8)
+  _, gate_up, down = weights(n_experts=3)
+  weight_TxK = jax.random.uniform(jax.random.key(5), (8, 2)) + 0.5
+  y = moe.experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
+  y_loop = moe.experts_loop(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
+  y_masked = moe.experts_grouped(x_TxD, expert_TxK, jnp.where(kept_TxK, weight_TxK, 0.0),
+                                 gate_up, down, 0)
+  y_dropless = moe.experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up, down, 0)
+  np.testing.assert_allclose(y, y_masked, atol=1e-6)
+  np.testing.assert_allclose(y_loop, y_masked, atol=1e-6)
+  assert float(jnp.max(jnp.abs(y - y_dropless))) > 1e-3
+  load_E = jnp.bincount(expert_TxK.reshape(-1), length=3).astype(jnp.float32)
+  assert float(moe.dropped_slots(load_E, capacity)) == (~kept_TxK).sum() == 7
+  assert float(moe.dropped_slots(load_E, 0)) == 0
+
+
+def test_capacity_mode_layer_sows_dropped_slots_and_matches_loop(monkeypatch):
+  cfg = model_config(capacity_factor=0.5, top_k=2)
+  capacity = moe.capacity_for(cfg.moe, B * L)
+  assert capacity == math.ceil(0.5 * B * L * 2 / E)
+  x_BxLxD = inputs().reshape(B, L, D)
+  seg = segments()
+  params = nn.meta.unbox(moe.MoeMlp(cfg).init(jax.random.key(3), x_BxLxD, seg)["params"])
+  y, stats = apply_layer(cfg, params, x_BxLxD, seg)
+  load_E = stats["moe"]["load"][0]
+  expected = float(jnp.sum(jnp.maximum(load_E - capacity, 0)))
+  assert expected > 0  # the factor is small enough that some expert overflows
+  assert float(stats["moe"]["dropped"][0]) == expected
+  monkeypatch.setattr(moe, "_experts_fn", lambda _s: moe.experts_loop)
+  y_loop, _ = apply_layer(cfg, params, x_BxLxD, seg)
+  np.testing.assert_allclose(y, y_loop, atol=1e-5)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_bias_changes_selection_not_weights(score):
+  cfg = MoeConfig(experts=E, top_k=2, score=score, norm_topk=False)
+  x_TxD = inputs(n=16)
+  router, _, _ = weights()
+  expert0, weight0, _ = moe.route(x_TxD, router, jnp.zeros(E), cfg)
+  bias_E = jnp.zeros(E).at[E - 1].set(10.0)
+  expert1, weight1, _ = moe.route(x_TxD, router, bias_E, cfg)
+  assert bool(jnp.all(jnp.any(expert1 == E - 1, axis=-1)))  # the biased expert is chosen
+  assert bool(jnp.any(expert1 != expert0))
+  logits = x_TxD @ router
+  scores = jax.nn.softmax(logits) if score == "softmax" else jax.nn.sigmoid(logits)
+  np.testing.assert_allclose(weight1, jnp.take_along_axis(scores, expert1, -1), rtol=1e-5)
+  np.testing.assert_allclose(weight0, jnp.take_along_axis(scores, expert0, -1), rtol=1e-5)
+
+
+def test_norm_topk_weights_sum_to_one():
+  cfg = MoeConfig(experts=E, top_k=3, score="sigmoid", norm_topk=True)
+  _, weight, _ = moe.route(inputs(n=16), weights()[0], jnp.zeros(E), cfg)
+  np.testing.assert_allclose(jnp.sum(weight, -1), 1.0, rtol=1e-6)
+
+
+def test_padding_tokens_are_not_routed_nor_counted():
+  cfg = MoeConfig(experts=E, top_k=2)
+  x_TxD = inputs(n=20)
+  router, gate_up, down = weights()
+  mask_T = jnp.arange(20) % 4 != 3  # 15 real tokens
+  expert, weight, stats = moe.route(x_TxD, router, jnp.zeros(E), cfg, mask_T)
+  assert float(jnp.sum(stats["load"])) == 15 * 2
+  assert bool(jnp.all(expert[~mask_T] == E)) and bool(jnp.all(weight[~mask_T] == 0))
+  _, _, real_stats = moe.route(x_TxD[mask_T], router, jnp.zeros(E), cfg)
+  for name in ("load", "aux_loss", "z_loss", "entropy"):
+    np.testing.assert_allclose(stats[name], real_stats[name], rtol=1e-5, err_msg=name)
+  y = moe.experts_grouped(x_TxD, expert, weight, gate_up, down, 4)
+  y_real = moe.experts_grouped(x_TxD[mask_T], expert[mask_T], weight[mask_T], gate_up, down, 4)
+  np.testing.assert_allclose(y[mask_T], y_real, atol=1e-6)  # padding takes no capacity
+  assert float(jnp.max(jnp.abs(y[~mask_T]))) == 0
+
+
+def test_uniform_router_stats():
+  cfg = MoeConfig(experts=E, top_k=2)
+  _, _, stats = moe.route(inputs(n=12), jnp.zeros((D, E)), jnp.zeros(E), cfg)
+  np.testing.assert_allclose(stats["aux_loss"], 1.0, rtol=1e-6)  # E * sum_e f_e / E
+  np.testing.assert_allclose(stats["z_loss"], math.log(E) ** 2, rtol=1e-6)
+  np.testing.assert_allclose(stats["entropy"], math.log(E), rtol=1e-6)
+
+
+def test_aux_loss_counts_imbalance():
+  cfg = MoeConfig(experts=4, top_k=1)
+  router = jnp.zeros((D, 4))
+  bias_E = jnp.array([1.0, 0, 0, 0])  # every token to expert 0, scores still uniform
+  _, _, stats = moe.route(inputs(n=8), router, bias_E, cfg)
+  np.testing.assert_allclose(stats["load"], [8, 0, 0, 0])
+  np.testing.assert_allclose(stats["aux_loss"], 4 * 1.0 * 0.25, rtol=1e-6)
+
+
+def test_megablox_interpret_equals_ragged_dot():
+  x_TxD = inputs(n=40)
+  router, gate_up, down = weights()
+  expert, weight, _ = moe.route(x_TxD, router, jnp.zeros(E), MoeConfig(experts=E, top_k=2))
+
+  def run(impl):
+    fn = lambda x, g, d: moe.experts_grouped(x, expert, weight, g, d, 0, impl=impl)
+    return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(
+        x_TxD, gate_up, down)
+
+  (v_r, g_r), (v_m, g_m) = run("ragged_dot"), run("megablox_interpret")
+  np.testing.assert_allclose(v_m, v_r, rtol=1e-4)
+  for a, b in zip(g_m, g_r):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+  assert moe.default_grouped_impl() == "ragged_dot"  # CPU here
+
+
+def test_layer_without_bias_state_selects_unbiased():
+  cfg = model_config()
+  x_BxLxD = inputs().reshape(B, L, D)
+  variables = moe.MoeMlp(cfg).init(jax.random.key(3), x_BxLxD, segments())
+  params = nn.meta.unbox(variables["params"])
+  y_zero_bias, _ = apply_layer(cfg, params, x_BxLxD, segments(), {"bias": jnp.zeros(E)})
+  y_params_only, _ = apply_layer(cfg, params, x_BxLxD, segments())
+  np.testing.assert_array_equal(y_zero_bias, y_params_only)
+  y_biased, _ = apply_layer(cfg, params, x_BxLxD, segments(),
+                            {"bias": jnp.zeros(E).at[0].set(5.0)})
+  assert float(jnp.max(jnp.abs(y_biased - y_zero_bias))) > 1e-4
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), top_k=st.integers(1, 3), score=st.sampled_from(
+    ["softmax", "sigmoid"]))
+def test_token_permutation_permutes_outputs(seed, top_k, score):
+  cfg = MoeConfig(experts=E, top_k=top_k, score=score)
+  x_TxD = inputs(seed, n=16)
+  router, gate_up, down = weights(seed + 1)
+  perm = np.random.default_rng(seed).permutation(16)
+
+  def layer(x):
+    expert, weight, stats = moe.route(x, router, jnp.zeros(E), cfg)
+    return moe.experts_grouped(x, expert, weight, gate_up, down, 0), stats["load"]
+
+  y, load = layer(x_TxD)
+  y_perm, load_perm = layer(x_TxD[perm])
+  np.testing.assert_allclose(y_perm, y[perm], atol=1e-6)
+  np.testing.assert_array_equal(load_perm, load)
