@@ -1,5 +1,7 @@
 """`maxlm memory CONFIG`: the per-device memory estimate of every stage, for the config's mesh
-(maxlm/parallel/memory.py), and with --compiled XLA's accounting of the compiled step beside it."""
+(maxlm/parallel/memory.py), and with --compiled XLA's accounting of the compiled step beside it.
+Memory counts every parameter (all experts of an MoE model); the total and the active count
+(what a token goes through, which FLOPs count) are printed below the table."""
 
 import json
 
@@ -31,14 +33,15 @@ def cmd_memory(args):
   vocab = args.vocab or cfg.model.vocab_size or _manifest_vocab(cfg)
   estimates = [memory.estimate(cfg, s, devices, vocab, args.platform)
                for s in range(len(cfg.stages))]
+  counts = memory.param_counts(cfg, vocab)
   compiled = ([memory.compiled(cfg, s, devices, vocab) for s in range(len(cfg.stages))]
               if args.compiled else None)
   if args.json:
-    print(json.dumps({"devices": devices, "vocab": vocab, "stages": [
+    print(json.dumps({"devices": devices, "vocab": vocab, "params": counts, "stages": [
         {"stage": s, "estimate": e, **({"compiled": compiled[s]} if compiled else {})}
         for s, e in enumerate(estimates)]}))
     return
-  print(memory.format_table(cfg, estimates, devices))
+  print(memory.format_table(cfg, estimates, devices, counts))
   for s, c in enumerate(compiled or ()):
     print(f"stage {cfg.stages[s].name or s}: XLA's accounting of the compiled step "
           f"{c['total'] / 2**30:.3f} GiB a device (estimate / XLA = "

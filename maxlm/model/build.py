@@ -58,6 +58,12 @@ def init_params_abstract(model, seq_len=8):
   return nn.meta.unbox(model.init(jax.random.key(0), *_dummy(model, seq_len))["params"])
 
 
+def abstract_collection(model, name, seq_len=8):
+  """The variable collection `name` of an abstract init, unboxed ({} if the model has none)."""
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy(model, seq_len)))
+  return nn.meta.unbox(variables.get(name, {}))
+
+
 def init_params(model, rng, mesh, rules, seq_len=8):
   """Parameters initialised directly into their shardings (no host copy of the whole model)."""
   shardings = param_shardings(model, mesh, rules, seq_len)
@@ -70,22 +76,55 @@ def init_params(model, rng, mesh, rules, seq_len=8):
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
-def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0):
-  """(loss, aux) for one batch: aux has the NLL sum, loss count and max attention logit, and in
-  indexer stages the indexer's sums (`sparse_sums`; its weighted KL is in aux["total"])."""
+def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0, moe_bias=None):
+  """(loss, aux) for one batch: aux has the NLL sum, loss count and max attention logit, in
+  indexer stages the indexer's sums (`sparse_sums`; its weighted KL is in aux["total"]), and
+  under MoE the layers' sown routing statistics (aux["moe"], unwrapped; {} for a dense model).
+
+  MoE adds `moe.aux_loss x (load-balancing loss summed over MoE layers) + moe.router_z_loss x
+  (router z-loss summed over MoE layers)` to the loss: both are means over this batch's
+  tokens, so they enter aux["total"] (a sum over loss positions) times the loss count.
+  `moe_bias`: the train state's balancing bias (maxlm/train/moe_state.py), or None."""
   sp = model.settings.sparse
   indexed = sp is not None and sp.mode != "dense"
+  moe = model.cfg.moe
+  mutable = (["sparse"] if indexed else []) + (["moe"] if moe.experts > 0 else [])
+  variables = {"params": params, **({"moe_bias": moe_bias} if moe_bias is not None else {})}
   with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
-    result = model.apply({"params": params}, batch["inputs"], batch["positions"],
-                         batch["segment_ids"], mutable=["sparse"] if indexed else False)
-    (h, head, peak), sown = result if indexed else (result, None)
+    result = model.apply(variables, batch["inputs"], batch["positions"],
+                         batch["segment_ids"], mutable=mutable or False)
+    (h, head, peak), sown = result if mutable else (result, {})
     loss, sums = loss_lib.chunked_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
                                                 chunk=chunk, z_loss=z_loss)
   if indexed:
     extra = sparse_sums(sown["sparse"])
     sums = {**sums, **extra, "total": sums["total"] + sp.kl_weight * extra["indexer_kl_sum"]
             / model.cfg.n_layers}
+  if moe.experts > 0:
+    stats = moe_stats(sown.get("moe", {}))
+    added = moe_loss(stats, moe)
+    sums = {**sums, "moe": stats, "total": sums["total"] + added * sums["count"]}
+    loss = loss + added
   return loss, {**sums, "max_logit": peak}
+
+
+def moe_stats(sown):
+  """The "moe" collection with every sown tuple replaced by its value (float32)."""
+  def one(x):
+    x = sum(x[1:], x[0]) if isinstance(x, tuple) else x
+    return jnp.asarray(x, jnp.float32)
+  return jax.tree_util.tree_map(one, sown, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def moe_loss(stats, moe):
+  """aux_loss x sum of the layers' balancing losses + router_z_loss x sum of their z-losses."""
+  total = jnp.float32(0.0)
+  for name, weight in (("aux_loss", moe.aux_loss), ("z_loss", moe.router_z_loss)):
+    if weight:
+      for path, leaf in jax.tree_util.tree_leaves_with_path(stats):
+        if getattr(path[-1], "key", None) == name:
+          total = total + jnp.float32(weight) * jnp.sum(leaf)
+  return total
 
 
 def sparse_sums(sown):
@@ -101,28 +140,79 @@ def count_params(params):
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
 
-def flops_per_token(cfg, seq_len, attended=None):
-  """Training FLOPs (forward + backward) per token.
+def flops_per_token(cfg, seq_len, attended=None, attended_local=None):
+  """Training FLOPs (forward + backward) per token, of the ACTIVE parameters.
 
-  6 per weight multiply-add of every matmul (the head included, the embedding lookup not),
-  plus attention: QK^T and PV each cost 2 * heads * head_dim per visible key, times 3 for the
-  backward. `attended` is the mean number of keys a query sees: (L + 1) / 2 for a causal row,
-  or `mean_attended(segment_ids)` for a packed batch.
+  6 per weight multiply-add of every matmul a token goes through (the head included, the
+  embedding lookup not): in an MoE layer the router, its top_k routed experts and the shared
+  experts, not the experts it is not routed to. Plus attention: QK^T and PV each cost
+  2 * heads * head_dim per visible key, times 3 for the backward. `attended` is the mean number
+  of keys a query of a global layer sees: (L + 1) / 2 for a causal row, or `mean_attended` of a
+  packed batch; `attended_local` the same for the local (sliding-window) layers, by default
+  that of a causal row of length L under model.attention.window.
   """
+  from maxlm.model import layers
   attended = (seq_len + 1) / 2 if attended is None else attended
+  window = cfg.attention.window
+  if attended_local is None:
+    attended_local = _causal_attended(seq_len, window) if window else attended
   d, hd = cfg.d_model, cfg.head_dim
-  per_layer = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff
-  matmul = cfg.n_layers * per_layer + d * cfg.vocab_size
-  attention = cfg.n_layers * 4 * cfg.n_heads * hd * attended
+  matmul, attention = d * cfg.vocab_size, 0.0
+  for spec in layers.specs(cfg):
+    matmul += d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + mlp_weights(cfg, spec.moe,
+                                                                            active=True)
+    attention += 4 * cfg.n_heads * hd * (attended_local if spec.window else attended)
   return 6 * matmul + 3 * attention
 
 
-def mean_attended(segment_ids):
-  """Mean keys seen per non-padding query in a packed batch: sum n(n+1)/2 over segments / n."""
+def mlp_weights(cfg, moe_layer, active):
+  """Weights of one layer's MLP: the dense SwiGLU's 3 D F, or an MoE layer's router D E plus
+  3 D F_e for each of its experts (active: only the top_k routed and the shared ones)."""
+  d, moe = cfg.d_model, cfg.moe
+  if not moe_layer:
+    return 3 * d * cfg.d_ff
+  f = moe.d_ff or cfg.d_ff
+  experts = (moe.top_k if active else moe.experts) + moe.shared_experts
+  return d * moe.experts + 3 * d * f * experts
+
+
+def active_params(cfg, total):
+  """Parameters a token goes through, from the model's total count: every MoE layer's
+  (experts - top_k) routed experts it is not sent to are left out."""
+  from maxlm.model import layers
+  moe_layers = sum(spec.moe for spec in layers.specs(cfg))
+  unused = mlp_weights(cfg, True, active=False) - mlp_weights(cfg, True, active=True)
+  return total - moe_layers * unused
+
+
+def batch_flops_per_token(cfg, seq_len, segment_ids):
+  """flops_per_token of a packed batch: keys seen per query counted per document."""
+  window = cfg.attention.window
+  return flops_per_token(cfg, seq_len, mean_attended(segment_ids),
+                         mean_attended(segment_ids, window) if window else None)
+
+
+def _causal_attended(length, window):
+  return _keys_seen(np.array([length]), window) / length
+
+
+def _keys_seen(counts, window=0):
+  """Keys seen by all queries of documents of these lengths: n(n+1)/2 each, or under a
+  window W (a query sees itself and the W - 1 positions before it) W(W+1)/2 + (n - W) W."""
+  counts = np.asarray(counts, np.int64)
+  if not window:
+    return int((counts * (counts + 1) // 2).sum())
+  w = np.minimum(counts, window)
+  return int((w * (w + 1) // 2 + (counts - w) * window).sum())
+
+
+def mean_attended(segment_ids, window=0):
+  """Mean keys seen per non-padding query in a packed batch (within its own document, and
+  under a sliding window the last `window` positions of it)."""
   seg = np.asarray(segment_ids)
   total, tokens = 0, 0
   for row in seg:
     _, counts = np.unique(row[row > 0], return_counts=True)
-    total += int((counts * (counts + 1) // 2).sum())
+    total += _keys_seen(counts, window)
     tokens += int(counts.sum())
   return total / max(tokens, 1)

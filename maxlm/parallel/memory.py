@@ -171,4 +171,10 @@ def format_table(config, estimates, n_devices, counts=None):
                  + "".join(f"{est[p] / 2**30:>12.3f}" for p in names))
   lines.append("mesh is data x fsdp x expert x tensor x context; total = params + optimizer + "
                "gradients + activations + the larger of (working + attention) and logits")
+  if counts is not None and counts["active"] != counts["total"]:
+    lines.append(f"memory counts all {counts['total']:,} parameters (every expert of every MoE "
+                 f"layer); a token goes through {counts['active']:,} of them (the active "
+                 "parameters, which FLOPs and MFU count)")
+  elif counts is not None:
+    lines.append(f"{counts['total']:,} parameters")
   return "\n".join(lines)

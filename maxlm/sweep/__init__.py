@@ -71,7 +71,7 @@ def sweep(config_path, overrides, budgets, sizes, out, *, workers=1, target=None
     first = base.stages[0]
     recommended = report.write_recommended(out, raw, recommendation, vocab,
                                            base.model.tied_embeddings,
-                                           first.batch * first.seq_len, target)
+                                           first.batch * first.seq_len, target, base.model)
     png = report.write_png(out, rows, fitted, exponents, target)
     log(report.tables(rows, fitted, exponents, recommendation, target))
     for warning in report.warnings(rows):

@@ -60,14 +60,23 @@ def shape_for(d_model, n_layers):
   return Shape(d_model, n_layers, n_heads, n_kv, head_dim, 3 * d_model)
 
 
-def n_params(shape, vocab_size, tied):
-  """Every parameter of the decoder (maxlm/model/transformer.py), embeddings included."""
+def n_params(shape, vocab_size, tied, model=None, active=False):
+  """Every parameter of the decoder (maxlm/model/transformer.py), embeddings included. With
+  `model` (the base config's model section) the shape's layers follow its model.moe: an MoE
+  layer counts the router and all experts, or with `active` only those a token goes through
+  (router, top_k routed and the shared experts: the N whose 6 N D is a run's FLOPs)."""
   d, hd = shape.d_model, shape.head_dim
   attention = d * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads)
   mlp = 3 * d * shape.d_ff
   per_layer = attention + mlp + 2 * d  # two RMSNorm scales
   embeddings = vocab_size * d * (1 if tied else 2)
-  return shape.n_layers * per_layer + embeddings + d  # + the final norm
+  total = shape.n_layers * per_layer + embeddings + d  # + the final norm
+  if model is None or not model.moe.experts:
+    return total
+  from maxlm.model import build, layers
+  cfg = dataclasses.replace(model, **shape.model_keys())
+  moe_layers = sum(spec.moe for spec in layers.specs(cfg))
+  return total + moe_layers * (build.mlp_weights(cfg, True, active) - mlp)
 
 
 def depth_for(d_model):

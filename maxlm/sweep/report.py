@@ -12,7 +12,9 @@ from maxlm import MaxlmError, io
 from maxlm.sweep import fit, grid, runner
 
 N_CONVENTION = ("N counts every parameter, embeddings included (Chinchilla's convention); "
-                "D = C / (6 N) training tokens per point")
+                "D = C / (6 N) training tokens per point; for a mixture of experts N counts "
+                "the ACTIVE parameters (router, top_k routed and shared experts of each MoE "
+                "layer), as FLOPs do")
 
 
 def point_rows(points):
@@ -67,13 +69,15 @@ def write_json(out, rows, fitted, exponents, recommendation, target):
               json.dumps(body, indent=1, allow_nan=True) + "\n")
 
 
-def write_recommended(out, raw, recommendation, vocab, tied, per_step, target):
-  """A runnable config: the ladder shape nearest to the recommended N, D in whole steps."""
+def write_recommended(out, raw, recommendation, vocab, tied, per_step, target, model=None):
+  """A runnable config: the ladder shape nearest to the recommended N, D in whole steps.
+  model: the base config's model section (an MoE model's N is its active parameters)."""
   if not recommendation:
     return None
-  shape = min(grid.ladder(), key=lambda s: abs(math.log(grid.n_params(s, vocab, tied))
+  count = lambda s: grid.n_params(s, vocab, tied, model, active=True)  # noqa: E731
+  shape = min(grid.ladder(), key=lambda s: abs(math.log(count(s))
                                                - math.log(recommendation["n_params"])))
-  n = grid.n_params(shape, vocab, tied)
+  n = count(shape)
   steps = max(1, round(target / (6 * n) / per_step))
   if recommendation["rule"].startswith("data-limited"):
     steps = max(1, round(recommendation["tokens"] / per_step))

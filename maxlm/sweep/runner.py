@@ -93,7 +93,7 @@ def plan_points(base, raw, budgets, shapes_for, out, lr, eval_tokens):
   points = []
   for budget in budgets:
     for shape in shapes_for(budget, vocab, base.model.tied_embeddings, per_step):
-      n = grid.n_params(shape, vocab, base.model.tied_embeddings)
+      n = grid.n_params(shape, vocab, base.model.tied_embeddings, base.model, active=True)
       steps = round(budget / (6 * n) / per_step)
       if steps < MIN_STEPS:
         raise MaxlmError(f"size {shape.label} (N={n:,}) gets {steps} steps of {per_step} "

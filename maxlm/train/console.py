@@ -3,7 +3,7 @@
 The progress line numbers steps as metrics.jsonl does: `step` counts from 0 over the whole
 schedule (the number `maxlm trace --step` takes and spike messages give) and the stage's own
 step is `stage_step`, also from 0. A DPO run's line carries the step's reward accuracy and
-margin.
+margin; an MoE run's, its worst-balanced layer (the busiest expert's load over the mean).
 
 On a terminal the progress line is redrawn in place (`\\r`); every other message first ends a
 pending progress line, so nothing is ever glued to it. Piped or given another `log` (tests,
@@ -135,7 +135,18 @@ def progress_line(s, k, steps, g, total, row, seconds_left):
   line = f"step {g}/{total - 1} (stage {s} step {k}/{steps - 1}) loss {row['loss']:.4f}"
   if "reward_accuracy" in row:
     line += f" reward_acc {row['reward_accuracy']:.2f} margin {row['reward_margin']:.3f}"
+  worst = worst_balance(row)
+  if worst is not None:  # the busiest expert's load over the mean, of the worst MoE layer
+    line += f" moe max/mean {worst[1]:.2f} (layer {worst[0]})"
   line += f" lr {row['lr']:.2e} {row['tokens_per_s']:,.0f} tok/s ETA {clock(seconds_left)}"
   if "val_loss" in row:
     line += f" val_loss {row['val_loss']:.4f} val_bpb {row['val_bpb']:.3f}"
   return line
+
+
+def worst_balance(row):
+  """(layer, max/mean) of the worst-balanced MoE layer in a metrics row (the
+  moe/max_load_over_mean/<layer> values maxlm/train/moe_state.py logs), or None."""
+  prefix = "moe/max_load_over_mean/"
+  found = [(k[len(prefix):], v) for k, v in row.items() if k.startswith(prefix)]
+  return max(found, key=lambda item: (item[1], item[0])) if found else None

@@ -22,9 +22,9 @@ from maxlm.eval import bpb, positions
 from maxlm.interop import load as init_lib
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import distributed, mesh as mesh_lib, peaks, preemption, watchdog
-from maxlm.train import dpo
-from maxlm.train import (checkpoint, console, integrity, lease, metrics, optimizer, pause,
-                         resume, rundir, sparse_stage, spikes, step as step_lib)
+from maxlm.train import dpo, grpo
+from maxlm.train import (checkpoint, console, integrity, lease, metrics, moe_state, optimizer,
+                         pause, resume, rundir, sparse_stage, spikes, step as step_lib)
 
 _COMPILED = {}  # (config, stage, vocab) -> compiled functions; an in-process resume reuses them
 # Dispatch step k+1 before reading step k's metrics (read one step late; a step that is due to
@@ -82,11 +82,11 @@ def _check_objective(config, data):
   for i in range(len(config.stages)):
     mix = config.mix_for(i) or dict.fromkeys(data.manifest["sources"], 1.0)
     used = sorted(n for n in paired if mix.get(n, 0) > 0)
-    if used and config.train.objective == "lm":
+    if used and config.objective_for(i) == "lm":
       raise MaxlmError(f"stages.{i} trains on preference pairs (source {used[0]!r}) with "
                        "train.objective=lm, which would learn the rejected answers too: set "
                        "train.objective=dpo, or leave the source out of the mix (docs/pairs.md)")
-    if not used and config.train.objective == "dpo":
+    if not used and config.objective_for(i) == "dpo":
       raise MaxlmError(f"stages.{i}: train.objective=dpo, but no source in its mix holds "
                        f"preference pairs ({config.data.dir}; docs/pairs.md)")
 
@@ -124,7 +124,9 @@ def stage_parts(config, s, vocab):
     model = build.model_for(config, s, mesh, vocab)
     total = sum(st.num_steps for st in config.stages)
     opt, schedule = optimizer.make(config.train, total)
-    step = (dpo.jit_step(model, opt, schedule, config) if config.train.objective == "dpo" else
+    objective = config.objective_for(s)
+    step = (dpo.jit_step(model, opt, schedule, config) if objective == "dpo" else
+            grpo.jit_update(model, opt, schedule, config) if objective == "grpo" else
             jax.jit(step_lib.make_train_step(model, opt, schedule, config.rules, model.cfg,
                                              config.train.grad_accum), donate_argnums=0))
     nll = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
@@ -143,7 +145,11 @@ def _state_shardings(model, opt, mesh, rules, seq_len):
   # choose replicates the moments: zeros_like does not depend on the sharded input.)
   opt_sh = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, abstract_params),
                                  params, transform_non_params=lambda _: scalar)
-  return {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
+  out = {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
+  if moe_state.enabled(model.cfg):  # MoE's balancing bias (maxlm/train/moe_state.py)
+    out[moe_state.BIAS] = moe_state.shardings(
+        build.abstract_collection(model, moe_state.BIAS, seq_len), mesh)
+  return out
 
 
 def train(config, *, stop_after=None, force=False, log=print):
@@ -225,10 +231,17 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
       state = sparse_stage.grow(state, model, opt, mesh, config.rules, config.seed,
                                 stage.seq_len, shardings)  # the first indexer stage adds it
       state = jax.device_put(state, shardings)  # a new stage's mesh reshards the state
-      if config.train.objective == "dpo":  # the frozen reference, re-read on every (re)start
+      objective, runner = config.objective_for(s), None
+      if objective == "dpo":  # the frozen reference, re-read on every (re)start
         step_fn = dpo.with_reference(step_fn, dpo.reference_params(
             config, data, vocab, init_from, model, shardings, stage.seq_len, log))
-      it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
+      if objective == "grpo":  # rollouts from the current policy: no planned batches to read
+        runner = grpo.Stage(config, data, s, stage_parts(config, s, vocab), step_fn,
+                            grpo.reference(config, data, vocab, init_from, model, shardings,
+                                           stage.seq_len, log), run_dir.local, log)
+        it, it_start = None, None
+      else:
+        it, it_start = resume.iterator(ckpts, resumed, data, s, k0, it_start, log)
       steps = stage.num_steps
       eta.start_stage()
       ahead = None  # (batch, metrics on device) of step k, dispatched while k-1 ran
@@ -238,7 +251,10 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         stop = preempt.stop_at(g + 1) or (stop_after is not None and ran + 1 >= stop_after)
         due = last or stop or (g + 1) % config.train.checkpoint_every == 0 or bool(
             config.train.eval_every and (g + 1) % config.train.eval_every == 0)
-        if ahead is None:
+        if runner is not None:
+          t0 = time.perf_counter()
+          state, m, batch, prompt_tokens = runner.step(state, s, k, g)
+        elif ahead is None:
           batch = next(it)
           t0 = time.perf_counter()
           with (log.phase(f"compiling the stage-{s} step (L={stage.seq_len}, batch "
@@ -250,7 +266,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
               jax.block_until_ready(m)
         else:
           (batch, m), ahead = ahead, None
-        if LOOKAHEAD and not due:  # queue step k+1 before reading step k's metrics: the
+        if LOOKAHEAD and not due and runner is None:  # queue step k+1 before reading step k's metrics: the
           nb = next(it)            # device never waits on the host (its batch is placed now)
           with mesh:
             state, m_next = step_fn(state, mesh_lib.place_batch(nb, mesh, config.rules))
@@ -259,12 +275,12 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
         dt = time.perf_counter() - t0
         t0 = time.perf_counter()  # step k+1's time starts when step k's metrics arrive
         real = int((batch["segment_ids"] > 0).sum()) * jax.process_count()
-        flops = build.flops_per_token(model.cfg, stage.seq_len,
-                                      build.mean_attended(batch["segment_ids"]))
+        flops = build.batch_flops_per_token(model.cfg, stage.seq_len, batch["segment_ids"])
         row = {"stage": s, "stage_step": k, **m, "tokens_per_s": real / dt,
                "mfu": peaks.mfu(flops, real, dt, peak, jax.device_count()),
                "fingerprint": distributed.fingerprint(batch, g),
-               **_loss_tokens(data, s, k, consumed), **first_row}
+               **(grpo.ledger(prompt_tokens, consumed) if runner is not None else
+                  _loss_tokens(data, s, k, consumed)), **first_row}
         first_row = {}
         spike = detector.observe(s, m["loss"])
         if spike:
@@ -275,8 +291,9 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, log):
               f"steps); maxlm trace {config.run_dir} --step {g}")
         finite = integrity.all_finite(m)
         if finite and config.train.eval_every and (g + 1) % config.train.eval_every == 0 and (
-            config.train.objective == "lm"):
-          row.update(_evaluate(nll_fn, state, data, stage, mesh, config, log))
+            objective != "dpo"):
+          row.update(runner.evaluate(state["params"]) if runner is not None else
+                     _evaluate(nll_fn, state, data, stage, mesh, config, log))
         held.check()  # another trainer took the run_dir over: write nothing more
         writer.write(g, row)
         if not finite:
@@ -336,7 +353,7 @@ def _evaluate(nll_fn, state, data, stage, mesh, config, log):
   def nll(batch):
     with mesh:
       return distributed.gather_rows(nll_fn(state["params"], mesh_lib.place_batch(
-          distributed.host_rows(batch), mesh, config.rules)))
+          distributed.host_rows(batch), mesh, config.rules), state.get(moe_state.BIAS)))
   table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, config.train.eval_tokens)
   if config.run_dir not in _WARNED_SMALL and bpb.small_sources(table):
     _WARNED_SMALL.add(config.run_dir)

@@ -1,7 +1,9 @@
 """The train state and the jitted step (with gradient accumulation) and eval step.
 
-State is a dict pytree {params, opt_state, step, rng}. The loss of a step is the summed NLL
-(plus z-loss) over all its loss positions divided by their count, so accumulating micro-batches
+State is a dict pytree {params, opt_state, step, rng}, plus moe_bias under MoE with bias
+balancing (maxlm/train/moe_state.py: updated after each step from its load, outside the
+gradient). The loss of a step is the summed NLL (plus z-loss, and MoE's weighted auxiliary
+losses) over all its loss positions divided by their count, so accumulating micro-batches
 gives the same gradient as the whole batch.
 """
 
@@ -10,53 +12,71 @@ import jax.numpy as jnp
 import optax
 
 from maxlm.model import build
-from maxlm.train import sparse_stage
+from maxlm.train import moe_state, sparse_stage
 
 
 def init_state(model, opt, mesh, rules, seed, seq_len):
   params = build.init_params(model, jax.random.key(seed), mesh, rules, seq_len)
   with mesh:
     opt_state = jax.jit(opt.init)(params)
-  return {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32),
-          "rng": jax.random.key_data(jax.random.key(seed + 1))}
+  state = {"params": params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.key_data(jax.random.key(seed + 1))}
+  if moe_state.enabled(model.cfg):
+    bias = moe_state.init(build.abstract_collection(model, moe_state.BIAS, seq_len))
+    state[moe_state.BIAS] = jax.device_put(bias, moe_state.shardings(bias, mesh))
+  return state
 
 
 def init_state_abstract(model, opt, seed, seq_len):
   """The state's structure, for tracing under jax.eval_shape."""
   params = build.init_params_abstract(model, seq_len)
-  return {"params": params, "opt_state": opt.init(params), "step": jnp.zeros((), jnp.int32),
-          "rng": jax.random.key_data(jax.random.key(seed + 1))}
+  state = {"params": params, "opt_state": opt.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jax.random.key_data(jax.random.key(seed + 1))}
+  if moe_state.enabled(model.cfg):
+    state[moe_state.BIAS] = moe_state.init(build.abstract_collection(model, moe_state.BIAS,
+                                                                     seq_len))
+  return state
+
+
+def _combine(a, b):
+  """Two micro-batches' sums: the max logit is a max, everything else adds."""
+  return {k: (jnp.maximum(a[k], b[k]) if k == "max_logit" else
+              jax.tree_util.tree_map(jnp.add, a[k], b[k])) for k in a}
 
 
 def make_train_step(model, opt, schedule, rules, model_cfg, grad_accum):
-  def objective(params, micro):
-    _, sums = build.loss_fn(model, params, micro, rules, chunk=model_cfg.loss_chunk,
-                            z_loss=model_cfg.z_loss)
-    return sums["total"], {k: sums[k] for k in ("nll", "count", "max_logit") + indexer_keys}
+  moe = model_cfg.moe
+  keys = ("nll", "count", "max_logit") + sparse_stage.sum_keys(model) + (
+      ("moe",) if moe.experts > 0 else ())
+  biased = moe_state.enabled(model_cfg)
 
-  indexer_keys = sparse_stage.sum_keys(model)
+  def objective(params, bias, micro):
+    _, sums = build.loss_fn(model, params, micro, rules, chunk=model_cfg.loss_chunk,
+                            z_loss=model_cfg.z_loss, moe_bias=bias)
+    return sums["total"], {k: sums[k] for k in keys}
+
   warmup = sparse_stage.mode_of(model) == "indexer_warmup"
-  grad_fn = jax.grad(objective, has_aux=True)
+  grad_fn = jax.grad(objective, has_aux=True)  # the parameters' only: the bias gets none
 
   def step(state, batch):
-    params = state["params"]
+    params, bias = state["params"], state.get(moe_state.BIAS)
     if grad_accum == 1:
-      grads, sums = grad_fn(params, batch)
+      grads, sums = grad_fn(params, bias, batch)
     else:
       micro = jax.tree_util.tree_map(
           lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
 
       def accumulate(carry, mb):
         grads, sums = carry
-        g, s = grad_fn(params, mb)
-        return (jax.tree_util.tree_map(jnp.add, grads, g),
-                {"nll": sums["nll"] + s["nll"], "count": sums["count"] + s["count"],
-                 "max_logit": jnp.maximum(sums["max_logit"], s["max_logit"]),
-                 **{k: sums[k] + s[k] for k in indexer_keys}}), None
+        g, s = grad_fn(params, bias, mb)
+        return (jax.tree_util.tree_map(jnp.add, grads, g), _combine(sums, s)), None
 
-      zero = (jax.tree_util.tree_map(jnp.zeros_like, params),
-              {"nll": 0.0, "count": 0.0, "max_logit": -jnp.inf,
-               **{k: 0.0 for k in indexer_keys}})
+      shapes = jax.eval_shape(grad_fn, params, bias,
+                              jax.tree_util.tree_map(lambda x: x[0], micro))[1]
+      zero_sums = {k: (jnp.float32(-jnp.inf) if k == "max_logit" else
+                       jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), v))
+                   for k, v in shapes.items()}
+      zero = (jax.tree_util.tree_map(jnp.zeros_like, params), zero_sums)
       (grads, sums), _ = jax.lax.scan(accumulate, zero, micro)
     count = jnp.maximum(sums["count"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g / count, grads)
@@ -73,14 +93,22 @@ def make_train_step(model, opt, schedule, rules, model_cfg, grad_accum):
                **sparse_stage.metrics(sums)}
     rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]),
                                                  state["step"]))
-    return {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
-            "rng": rng}, metrics
+    new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
+                 "rng": rng}
+    if moe.experts > 0:
+      stats = moe_state.finish(sums["moe"], grad_accum)
+      metrics.update(moe_state.metrics(stats, moe_state.layer_names(model_cfg),
+                                       moe.capacity_factor > 0))
+      if biased:  # outside the gradient, from this step's whole load
+        new_state[moe_state.BIAS] = moe_state.update(bias, stats, moe.bias_rate)
+    return new_state, metrics
 
   return step
 
 
 def make_eval_step(model, rules, model_cfg):
-  def step(params, batch):
-    _, sums = build.loss_fn(model, params, batch, rules, chunk=model_cfg.loss_chunk)
+  def step(params, batch, moe_bias=None):
+    _, sums = build.loss_fn(model, params, batch, rules, chunk=model_cfg.loss_chunk,
+                            moe_bias=moe_bias)
     return sums["nll_BxL"]
   return step
