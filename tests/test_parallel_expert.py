@@ -1,0 +1,112 @@
+"""Expert parallelism (maxlm/parallel/expert.py) on 8 fake CPU devices (tests/conftest.py): any
+mesh with the experts split equals one device's `experts_grouped`, outputs and gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxlm import MaxlmError, config as config_lib
+from maxlm.model import moe
+from maxlm.parallel import expert, mesh as mesh_lib
+from maxlm.typed_yaml import ConfigError
+
+MESHES = [dict(data=1, expert=8), dict(data=1, fsdp=2, expert=4),
+          dict(data=2, expert=2, context=2)]
+
+
+def _mesh(**sizes):
+  return mesh_lib.make_mesh(config_lib.MeshConfig(**sizes), jax.devices()[:8])
+
+
+def _inputs(tokens=64, d=16, f=8, n_experts=8, k=2, seed=0, skew=False):
+  """Random routing (or, with skew, every slot to experts 0 and 1, one device's), the last five
+  tokens padding (expert id E)."""
+  rng = np.random.default_rng(seed)
+  x_TxD = rng.normal(size=(tokens, d)).astype(np.float32)
+  expert_TxK = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(tokens)])
+  if skew:
+    expert_TxK = np.tile(np.arange(k), (tokens, 1))
+  expert_TxK[-5:] = n_experts
+  weight_TxK = rng.uniform(size=(tokens, k)).astype(np.float32)
+  gate_up = (rng.normal(size=(n_experts, d, 2, f)) * 0.3).astype(np.float32)
+  down = (rng.normal(size=(n_experts, f, d)) * 0.3).astype(np.float32)
+  return x_TxD, jnp.asarray(expert_TxK, jnp.int32), weight_TxK, gate_up, down
+
+
+def _value_and_grads(experts_fn, inputs, capacity):
+  """y and the gradients of sum(y * fixed noise) w.r.t. x, weights, gate_up and down."""
+  x_TxD, expert_TxK, weight_TxK, gate_up, down = inputs
+  probe = jnp.asarray(np.random.default_rng(1).normal(size=x_TxD.shape), jnp.float32)
+
+  def loss(x, w, gu, dn):
+    y = experts_fn(x, expert_TxK, w, gu, dn, capacity)
+    return jnp.sum(y * probe), y
+
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  (_, y), grads = grad_fn(x_TxD, weight_TxK, gate_up, down)
+  return y, grads
+
+
+def _sharded(mesh):
+  return functools.partial(expert.experts_sharded, mesh=mesh,
+                           batch_axes=expert.token_axes(config_lib.DEFAULT_RULES, mesh.axis_names))
+
+
+def _assert_same(got, want):
+  y, grads = got
+  y_ref, grads_ref = want
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for g, g_ref, name in zip(grads, grads_ref, ("x", "weight", "gate_up", "down")):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
+def test_sharded_equals_one_device_dropless_and_capacity(sizes):
+  mesh = _mesh(**sizes)
+  inputs = _inputs()
+  dropless = _value_and_grads(moe.experts_grouped, inputs, 0)
+  _assert_same(_value_and_grads(_sharded(mesh), inputs, 0), dropless)
+  capped = _value_and_grads(moe.experts_grouped, inputs, 5)  # ~15 slots per expert: most dropped
+  assert not np.allclose(capped[0], dropless[0])
+  _assert_same(_value_and_grads(_sharded(mesh), inputs, 5), capped)
+
+
+def test_every_slot_to_one_device_is_still_dropless():
+  """The worst case the padded buffers are sized for: all slots of all devices to device 0."""
+  mesh = _mesh(data=1, expert=8)
+  inputs = _inputs(skew=True)
+  _assert_same(_value_and_grads(_sharded(mesh), inputs, 0),
+               _value_and_grads(moe.experts_loop, inputs, 0))
+
+
+def test_tokens_split_over_the_expert_axis_even_when_the_batch_rule_omits_it():
+  mesh = _mesh(data=2, expert=4)
+  rules = {**config_lib.DEFAULT_RULES, "batch": ("data",)}
+  assert expert.token_axes(rules, mesh.axis_names) == ("data", "expert", "context")
+  assert expert.token_axes(config_lib.DEFAULT_RULES, mesh.axis_names) == (
+      "data", "fsdp", "expert", "context")
+  inputs = _inputs(tokens=32)
+  fn = functools.partial(expert.experts_sharded, mesh=mesh, batch_axes=("data",))
+  _assert_same(_value_and_grads(fn, inputs, 0), _value_and_grads(moe.experts_grouped, inputs, 0))
+
+
+def test_indivisible_experts_or_tokens_are_one_clear_error():
+  mesh = _mesh(data=1, expert=8)
+  x_TxD, expert_TxK, weight_TxK, gate_up, down = _inputs(n_experts=4)
+  with pytest.raises(MaxlmError, match="4 experts do not split over mesh expert=8"):
+    expert.experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up, down, mesh=mesh)
+  x_TxD, expert_TxK, weight_TxK, gate_up, down = _inputs(tokens=60)
+  with pytest.raises(MaxlmError, match="60 tokens do not split over the 8 devices"):
+    expert.experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up, down, mesh=mesh)
+
+
+def test_mesh_expert_axis_sizes():
+  assert config_lib.MESH_AXES[2] == "expert"
+  assert mesh_lib.mesh_shape(config_lib.MeshConfig(data=1, fsdp=2, expert=-1), 8) == (1, 2, 4, 1,
+                                                                                        1)
+  assert _mesh(data=2, expert=4).shape["expert"] == 4
+  with pytest.raises(ConfigError, match="mesh.expert: expected a positive size or -1"):
+    config_lib.MeshConfig(expert=0).check("mesh")
