@@ -1,0 +1,147 @@
+"""The batched sampler (maxlm/eval/sample.py) against the one-sequence sampler and a full
+recompute: greedy equality, batch-composition independence, seeds, EOS, top-k/top-p, mesh."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from maxlm import MaxlmError
+from maxlm.config import MeshConfig
+from maxlm.eval import generate, sample
+from maxlm.model import build
+from maxlm.parallel import mesh as mesh_lib
+
+from test_eval import tiny_model
+
+PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg, mesh, model, params = tiny_model()
+  return cfg, model, params
+
+
+def _full_logits(model, params, seq):
+  tokens = jnp.asarray([seq], jnp.int32)
+  h, head, _ = model.apply({"params": params}, tokens, jnp.arange(len(seq))[None],
+                           jnp.ones_like(tokens))
+  return np.asarray(h[0].astype(jnp.float32) @ head.astype(jnp.float32))
+
+
+def test_greedy_rows_equal_the_one_sequence_sampler(tiny):
+  _, model, params = tiny
+  new = sample.sample_batch(model, params, PROMPTS, n_samples=2, max_new_tokens=10,
+                            temperature=0)
+  for prompt, rows in zip(PROMPTS, new):
+    old = generate.sample(model, params, prompt, max_tokens=10, temperature=0)
+    assert rows == [old, old]
+
+
+def test_a_row_does_not_depend_on_the_other_rows(tiny):
+  """Prompts of different lengths batched together sample what each samples alone (the
+  padding is never attended, positions restart at 0), and more samples per prompt only add
+  rows."""
+  _, model, params = tiny
+  kw = dict(max_new_tokens=12, temperature=1.0, top_k=20, seed=11)
+  together = sample.generate_arrays(model, params, PROMPTS, n_samples=2, **kw)
+  for i, prompt in enumerate(PROMPTS):
+    alone = sample.generate_arrays(model, params, [prompt], n_samples=3, prompt_indices=[i],
+                                   **kw)
+    np.testing.assert_array_equal(alone[0][:2], together[0][2 * i:2 * i + 2])
+    np.testing.assert_array_equal(alone[1][:2], together[1][2 * i:2 * i + 2])
+    np.testing.assert_allclose(alone[2][:2], together[2][2 * i:2 * i + 2], rtol=1e-5)
+  assert len({tuple(r) for r in together[0]}) == len(together[0])  # every row its own key
+
+
+def test_a_seed_reproduces_every_sample(tiny):
+  _, model, params = tiny
+  runs = [sample.sample_batch(model, params, PROMPTS, n_samples=3, max_new_tokens=8,
+                              temperature=1.0, seed=s) for s in (5, 5, 6, 2**64 - 1)]
+  assert runs[0] == runs[1]
+  assert runs[0] != runs[2] and runs[0] != runs[3]
+
+
+def test_rows_stop_at_eos_and_are_padding_after_it(tiny):
+  _, model, params = tiny
+  kw = dict(n_samples=4, max_new_tokens=16, temperature=1.0, seed=3)
+  free, _, _ = sample.generate_arrays(model, params, PROMPTS, **kw)
+  eos = int(np.bincount(free[:, :8].ravel()).argmax())  # a token most rows sample early
+  tokens, lengths, logprobs = sample.generate_arrays(model, params, PROMPTS, eos_id=eos, **kw)
+  stopped = 0
+  for row, n, lp, unstopped in zip(tokens, lengths, logprobs, free):
+    np.testing.assert_array_equal(row[:n], unstopped[:n])  # the same draws up to EOS
+    hits = np.flatnonzero(unstopped == eos)
+    assert n == (hits[0] + 1 if len(hits) else 16)
+    assert eos not in row[:n - 1]
+    assert (row[n:] == sample.PAD).all() and (lp[n:] == 0).all() and (lp[:n] < 0).all()
+    stopped += n < 16
+  assert 0 < stopped < len(tokens)  # some rows stopped early, the others ran to the end
+  lists = sample.sample_batch(model, params, PROMPTS, eos_id=eos, **kw)
+  flat = [r for rows in lists for r in rows]
+  assert [len(r) for r in flat] == lengths.tolist()
+  assert all(r[-1] == eos for r, n in zip(flat, lengths) if n < 16)
+
+
+def test_restrict_keeps_the_top_k_and_the_top_p_nucleus():
+  logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]]))
+  kept = lambda **kw: np.isfinite(np.asarray(sample.restrict(logits, **kw)))
+  np.testing.assert_array_equal(kept(top_k=2)[0], [False, True, False, True])
+  np.testing.assert_array_equal(kept(top_p=0.5)[0], [False, True, False, True])
+  np.testing.assert_array_equal(kept(top_p=0.75)[0], [False, True, True, True])
+  np.testing.assert_array_equal(kept(top_p=0.01)[0], [False, True, False, False])
+  assert kept(top_p=0.3)[1].all()  # ties at the nucleus' edge are kept
+  np.testing.assert_array_equal(kept(top_k=3, top_p=0.5)[0], [False, True, False, True])
+
+
+def test_sampled_tokens_stay_in_the_support_and_logprobs_are_unscaled(tiny):
+  """Against a full forward of each prefix: every token is among the top-k, and its log-prob
+  is log softmax of the unscaled logits (temperature and top-k not applied)."""
+  _, model, params = tiny
+  tokens, lengths, logprobs = sample.generate_arrays(
+      model, params, PROMPTS[:2], n_samples=2, max_new_tokens=6, temperature=1.7, top_k=3,
+      seed=1)
+  for r in range(4):
+    prompt = PROMPTS[r // 2]
+    logits = _full_logits(model, params, prompt + tokens[r, :5].tolist())
+    for t in range(6):
+      step = logits[len(prompt) - 1 + t]
+      assert tokens[r, t] in np.argsort(step)[-3:]
+      expected = step[tokens[r, t]] - np.log(np.exp(step - step.max()).sum()) - step.max()
+      assert abs(logprobs[r, t] - expected) < 1e-4
+  greedy = sample.sample_batch(model, params, PROMPTS, n_samples=1, max_new_tokens=6,
+                               temperature=0)
+  for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+    assert sample.sample_batch(model, params, PROMPTS, n_samples=2, max_new_tokens=6,
+                               temperature=1.0, seed=9, **kw) == [r * 2 for r in greedy]
+
+
+def test_rows_split_over_the_mesh_sample_the_same(tiny):
+  cfg, model, params = tiny
+  mesh = mesh_lib.make_mesh(MeshConfig(2, 2, 1, 1), jax.devices()[:4])
+  sharded_model = build.model_for(cfg, 0, mesh)
+  placed = jax.device_put(params, NamedSharding(mesh, P()))
+  kw = dict(n_samples=1, max_new_tokens=8, temperature=1.0, seed=4)  # 3 rows over 4 shards
+  alone = sample.generate_arrays(model, params, PROMPTS[:3], **kw)
+  split = sample.generate_arrays(sharded_model, placed, PROMPTS[:3], mesh=mesh, **kw)
+  np.testing.assert_array_equal(alone[0], split[0])
+  np.testing.assert_array_equal(alone[1], split[1])
+
+
+def test_settings_it_cannot_honour_are_one_line(tiny):
+  _, model, params = tiny
+  for kw, words in (({"top_p": 0.0}, "top_p must be in (0, 1]"),
+                    ({"top_k": 65}, "top_k must be in [0, 64]"),
+                    ({"temperature": float("nan")}, "temperature must be"),
+                    ({"n_samples": 0}, "n_samples must be >= 1"),
+                    ({"seed": -1}, "seed must be in [0, 2**64)")):
+    args = {"n_samples": 1, "max_new_tokens": 2, "temperature": 1.0, **kw}
+    with pytest.raises(MaxlmError, match=re.escape(words)):
+      sample.sample_batch(model, params, PROMPTS, **args)
+  with pytest.raises(MaxlmError, match="at least one token"):
+    sample.sample_batch(model, params, [[1], []], n_samples=1, max_new_tokens=2,
+                        temperature=0)
