@@ -195,7 +195,8 @@ def _experts_fn(settings):
   mesh = getattr(settings, "mesh", None)
   if mesh is not None and mesh.shape.get("expert", 1) > 1:
     from maxlm.parallel import expert  # pylint: disable=import-outside-toplevel
-    return functools.partial(expert.experts_sharded, mesh=mesh)
+    return functools.partial(expert.experts_sharded, mesh=mesh,
+                             batch_axes=expert.token_axes(settings.rules, mesh.axis_names))
   return experts_grouped
 
 

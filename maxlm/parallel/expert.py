@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from maxlm import MaxlmError
+from maxlm import MaxlmError, config as config_lib
 
 EXPERT_AXIS = "expert"
 
@@ -37,7 +37,9 @@ EXPERT_AXIS = "expert"
 def token_axes(rules, mesh_axes):
   """Mesh axes that split the flattened tokens [B * L]: the batch's, the expert axis (tokens are
   always split over it, or every expert device would repeat the same work), then the sequence's;
-  the order matches a [B, L] -> [B * L] reshape of an activation sharded by `rules`."""
+  the order matches a [B, L] -> [B * L] reshape of an activation sharded by `rules` (None: the
+  default rules)."""
+  rules = config_lib.DEFAULT_RULES if rules is None else rules
   batch = tuple(a for a in rules.get("batch", ()) if a in mesh_axes)
   length = tuple(a for a in rules.get("length", ()) if a in mesh_axes and a not in batch)
   if EXPERT_AXIS not in batch + length:
@@ -49,15 +51,15 @@ def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
                     impl=None, *, mesh, batch_axes=None):
   """`moe.experts_grouped` with the experts split over the mesh's `expert` axis.
 
-  batch_axes: the mesh axes splitting the T tokens (`token_axes(rules)`; the default is every
-  mesh axis but `tensor`, in mesh order). T must divide by their product, E by the expert axis."""
+  batch_axes: the mesh axes splitting the T tokens (default: `token_axes` of the default rules);
+  the expert axis is added if missing. T must divide by their product, E by the expert axis."""
   n = mesh.shape[EXPERT_AXIS]
   n_experts = gate_up_ExDx2xF.shape[0]
   if n_experts % n:
     raise MaxlmError(f"{n_experts} experts do not split over mesh expert={n}; choose "
                      "model.moe.experts divisible by it")
   if batch_axes is None:
-    batch_axes = tuple(a for a in mesh.axis_names if a != "tensor")
+    batch_axes = token_axes(None, mesh.axis_names)
   axes = tuple(batch_axes) if EXPERT_AXIS in batch_axes else tuple(batch_axes) + (EXPERT_AXIS,)
   ways = 1
   for a in axes:
