@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxlm.model import rope as rope_lib
+from maxlm import MaxlmError
+from maxlm.model import layers as layers_lib, rope as rope_lib
 from maxlm.model.attention import attention, reference, sparse as sparse_lib, sparse_context
 from maxlm.model.attention import sparse_blocks
 from maxlm.model.indexer import Indexer
@@ -70,6 +71,7 @@ class Attention(nn.Module):
   cfg: Any
   settings: Settings
   decode: bool = False  # sampling: keys and values accumulate in the "cache" collection
+  window: int = 0  # a local layer's window (layers.LayerSpec); 0: global
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
@@ -89,6 +91,9 @@ class Attention(nn.Module):
     v_BxLxKxD = constrain(v, ("batch", "length", "act_kv_heads", None))
     rules = s.rules or {}
     mode = s.sparse.mode if s.sparse is not None else "dense"
+    if self.window and mode != "dense":
+      raise MaxlmError(f"sparse attention (mode {mode}) has no sliding window: set "
+                       "model.attention.window=0 or the stage's sparse.mode=dense")
     cp = s.mesh is not None and s.mesh.shape.get("context", 1) > 1
     if mode != "dense":  # the indexer's parameters exist from the first non-dense stage on
       iq, iw, ik = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
@@ -115,7 +120,7 @@ class Attention(nn.Module):
                          block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
                          batch_axes=tuple(rules.get("batch", ())) or None,
                          head_axes=tuple(rules.get("act_heads", ())) or None,
-                         max_logit=c.max_logit)
+                         max_logit=c.max_logit, window=self.window)
       out, peak = result if c.max_logit else (result, jnp.float32(jnp.nan))
       if mode == "indexer_warmup" and cp:
         self._sow(sparse_context.warmup(
@@ -154,7 +159,7 @@ class Attention(nn.Module):
                                                  segment_ids_BxL.astype(jnp.int32), (0, i))
     index.value = i + n
     return reference.attention(q_BxLxHxD, key.value, value.value, segment_ids_BxL,
-                               segment.value, q_offset=i)
+                               segment.value, q_offset=i, window=self.window)
 
 
 class Mlp(nn.Module):
@@ -177,17 +182,58 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   cfg: Any
   settings: Settings
+  spec: layers_lib.LayerSpec = layers_lib.LayerSpec()
   decode: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     c = self.cfg
     dt = jnp.dtype(c.dtype)
-    h, peak = Attention(c, self.settings, self.decode, name="attention")(
+    h, peak = Attention(c, self.settings, self.decode, self.spec.window, name="attention")(
         RMSNorm(c.norm_eps, dt, name="attention_norm")(x_BxLxD), positions_BxL, segment_ids_BxL)
     x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, dt, name="mlp_norm")(x_BxLxD))
+    x_BxLxD = x_BxLxD + self._mlp(RMSNorm(c.norm_eps, dt, name="mlp_norm")(x_BxLxD),
+                                  segment_ids_BxL)
     return constrain(x_BxLxD, ("batch", "length", "act_embed")), peak
+
+  def _mlp(self, x_BxLxD, segment_ids_BxL):
+    if not self.spec.moe:
+      return Mlp(self.cfg, name="mlp")(x_BxLxD)
+    from maxlm.model import moe  # moe.py builds on Mlp and _dense from this module
+    return moe.MoeMlp(self.cfg, self.settings, name="moe")(x_BxLxD, segment_ids_BxL)
+
+
+class Unit(nn.Module):
+  """One repeating unit of differing layers (layers.groups), scanned as one."""
+  cfg: Any
+  settings: Settings
+  unit: tuple
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    block = _block_class(self.cfg, self.decode)
+    peak = jnp.float32(-jnp.inf)
+    for j, spec in enumerate(self.unit):
+      x_BxLxD, p = block(self.cfg, self.settings, spec, self.decode,
+                         name=layers_lib.block_name(j))(x_BxLxD, positions_BxL, segment_ids_BxL)
+      peak = jnp.maximum(peak, p)
+    return x_BxLxD, peak
+
+
+_SCANNED = {"params": 0, "cache": 0, "sparse": 0, "moe": 0, "moe_bias": 0}
+
+
+def _block_class(c, decode):
+  if c.remat != "none" and not decode:
+    return nn.remat(Block, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
+  return Block
+
+
+def _scan(module, length):
+  return nn.scan(module, variable_axes=_SCANNED, split_rngs={"params": True},
+                 in_axes=(nn.broadcast, nn.broadcast), length=length,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
 
 
 class Decoder(nn.Module):
@@ -204,22 +250,7 @@ class Decoder(nn.Module):
         (c.vocab_size, c.d_model), jnp.float32)
     x_BxLxD = constrain(jnp.take(table_VxD.astype(dt), tokens_BxL, axis=0),
                         ("batch", "length", "act_embed"))
-    block = Block
-    if c.remat != "none" and not self.decode:
-      block = nn.remat(Block, policy=_REMAT[c.remat], prevent_cse=not c.scan_layers)
-    if c.scan_layers:
-      stack = nn.scan(block, variable_axes={"params": 0, "cache": 0, "sparse": 0},
-                      split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast),
-                      length=c.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      x_BxLxD, peaks = stack(c, self.settings, self.decode, name="layers")(
-          x_BxLxD, positions_BxL, segment_ids_BxL)
-      peak = jnp.max(peaks)
-    else:
-      peak = jnp.float32(-jnp.inf)
-      for i in range(c.n_layers):
-        x_BxLxD, p = block(c, self.settings, self.decode, name=f"layer_{i}")(
-            x_BxLxD, positions_BxL, segment_ids_BxL)
-        peak = jnp.maximum(peak, p)
+    x_BxLxD, peak = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL)
     h_BxLxD = RMSNorm(c.norm_eps, dt, name="final_norm")(x_BxLxD)
     if c.tied_embeddings:
       head_DxV = table_VxD.T
@@ -228,3 +259,25 @@ class Decoder(nn.Module):
                                                                  ("embed", "vocab")),
                             (c.d_model, c.vocab_size), jnp.float32)
     return h_BxLxD, head_DxV, peak
+
+  def _layers(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    """The layers as layers.py plans them: unrolled, one scanned stack, or scanned groups."""
+    c, s, decode = self.cfg, self.settings, self.decode
+    args = (positions_BxL, segment_ids_BxL)
+    peak = jnp.float32(-jnp.inf)
+    if not c.scan_layers:
+      block = _block_class(c, decode)
+      for i, spec in enumerate(layers_lib.specs(c)):
+        x_BxLxD, p = block(c, s, spec, decode, name=f"layer_{i}")(x_BxLxD, *args)
+        peak = jnp.maximum(peak, p)
+      return x_BxLxD, peak
+    if layers_lib.homogeneous(c):
+      stack = _scan(_block_class(c, decode), c.n_layers)
+      x_BxLxD, peaks = stack(c, s, layers_lib.specs(c)[0], decode, name="layers")(x_BxLxD, *args)
+      return x_BxLxD, jnp.max(peaks)
+    for g, group in enumerate(layers_lib.groups(c)):
+      stack = _scan(Unit, group.repeats)
+      x_BxLxD, peaks = stack(c, s, group.unit, decode, name=layers_lib.group_name(g))(
+          x_BxLxD, *args)
+      peak = jnp.maximum(peak, jnp.max(peaks))
+    return x_BxLxD, peak
