@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import yaml
 
-from maxlm import config as config_lib
+from maxlm import MaxlmError, config as config_lib
 from maxlm.model import build, layers
 from maxlm.parallel import memory, mesh as mesh_lib
 from maxlm.sweep import grid
-from maxlm.train import console, moe_state, optimizer, step as step_lib, verify
+from maxlm.train import console, moe_state, optimizer, resume, step as step_lib, verify
 
 from test_train import data_dir, small_config  # noqa: F401 (data_dir: a fixture)
 
@@ -178,6 +178,16 @@ def test_param_counts_total_for_memory_active_for_flops():
   assert est["params"] == 4 * total and est["optimizer"] == 8 * total  # every expert
   table = memory.format_table(full, [est], 1, counts)
   assert f"memory counts all {total:,} parameters" in table and f"{total - unused:,}" in table
+
+
+def test_a_resume_that_would_drop_or_add_the_bias_is_one_line(tmp_path, data_dir):
+  path = small_config(tmp_path, data_dir)
+  biased = config_lib.load(str(path), MOE)
+  meta = {"config": config_lib.to_dict(biased), "vocab": 1000}
+  resume.check_same_model(biased, 1000, meta)  # the same model: fine
+  other = config_lib.load(str(path), [*MOE, "model.moe.balance=aux_loss"])
+  with pytest.raises(MaxlmError, match="checkpoints hold MoE balancing bias"):
+    resume.check_same_model(other, 1000, meta)
 
 
 @pytest.mark.slow

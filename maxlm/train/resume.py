@@ -26,7 +26,7 @@ import jax
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import loader, plan, skip
 from maxlm.model import build
-from maxlm.train import checkpoint, integrity, step as step_lib
+from maxlm.train import checkpoint, integrity, moe_state, step as step_lib
 
 
 def data_fingerprint(data):
@@ -43,7 +43,14 @@ def check_same_model(config, vocab, meta):
   """A checkpoint restores only into the parameter shapes it was saved with."""
   saved_vocab = meta.get("vocab", vocab)
   shapes = lambda c, v: [(path, shape) for path, shape, _ in build.param_axes(c, v)]
-  if shapes(config_lib.from_dict(meta["config"]), saved_vocab) == shapes(config, vocab):
+  saved = config_lib.from_dict(meta["config"])
+  if moe_state.enabled(saved.model) != moe_state.enabled(config.model):  # the state's keys
+    has = "hold" if moe_state.enabled(saved.model) else "have no"
+    raise MaxlmError(f"run_dir {config.run_dir}'s checkpoints {has} MoE balancing bias "
+                     f"(model.moe.balance={saved.model.moe.balance!r} there, "
+                     f"{config.model.moe.balance!r} here): keep the balance it was trained with, "
+                     "or pass a new run_dir=")
+  if shapes(saved, saved_vocab) == shapes(config, vocab):
     return
   there = {**meta["config"]["model"], "vocab": saved_vocab}
   here = {**config_lib.to_dict(config)["model"], "vocab": vocab}
