@@ -2,6 +2,9 @@
 mesh with the experts split equals one device's `experts_grouped`, outputs and gradients."""
 
 import functools
+import json
+import pathlib
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +113,16 @@ def test_mesh_expert_axis_sizes():
   assert _mesh(data=2, expert=4).shape["expert"] == 4
   with pytest.raises(ConfigError, match="mesh.expert: expected a positive size or -1"):
     config_lib.MeshConfig(expert=0).check("mesh")
+
+
+def test_gpu_moe_check_dry_run_measures_and_agrees(tmp_path):
+  """tools/gpu_moe_check.sh --dry-run: the device check's code at tiny sizes on the CPU."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run(["bash", str(root / "tools" / "gpu_moe_check.sh"), str(tmp_path),
+                         "--dry-run"], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  report = json.loads((tmp_path / "gpu_moe.json").read_text())
+  assert report["dry_run"] and report["devices"] == 8 and report["dispatch"]["expert_axis"] == 8
+  assert report["grouped"]["grouped_ragged_dot_vs_loop_max_abs_diff"] < 1e-5
+  assert report["dispatch"]["sharded_vs_grouped_max_abs_diff"] < 1e-5
+  assert report["grouped"]["loop_ms"] > 0 and report["dispatch"]["all_to_all_ms"] > 0
