@@ -146,9 +146,9 @@ class RopeConfig:
 class MeshConfig:
   data: int = -1  # >= 1 or -1 (the devices left over; one axis at most)
   fsdp: int = 1  # >= 1 or -1
-  expert: int = 1  # >= 1 or -1; splits the routed experts (and the batch) over its devices
   tensor: int = 1  # >= 1 or -1
   context: int = 1  # >= 1 or -1
+  expert: int = 1  # >= 1 or -1; splits the routed experts (and the batch) over its devices
 
   def check(self, key):
     sizes = dataclasses.asdict(self)
