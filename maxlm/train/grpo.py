@@ -223,7 +223,8 @@ def reference(config, data, vocab, init_from, model, shardings, seq_len, log=pri
   if not init_from:
     raise MaxlmError("train.grpo.beta > 0 needs a reference model: start the run with "
                      "init.from=RUN_DIR, or set train.grpo.beta=0")
-  return dpo.reference_params(config, data, vocab, init_from, model, shardings, seq_len, log)
+  return dpo.reference_params(config, data, vocab, init_from, model, shardings, seq_len,
+                              lambda line: log(line.replace("DPO reference", "GRPO reference")))
 
 
 

@@ -34,7 +34,8 @@ PANELS = ("loss", "val_loss", "val_bpb", "lr", "norms", "max_logit", "mfu")
 TITLES = {"loss": "training loss", "val_loss": "held-out loss per token",
           "val_bpb": "held-out bits per byte", "lr": "learning rate",
           "norms": "gradient and parameter norm", "max_logit": "largest attention logit",
-          "mfu": "MFU and tokens/s"}
+          "mfu": "MFU and tokens/s",
+          "reward": "GRPO reward (mean over rollouts) and held-out pass@1"}
 
 
 def smoothing_span(n_steps):
@@ -81,14 +82,15 @@ def figure(rows, labels=None, title=""):
   rows = step_rows(rows)
   labels = labels or {}
   extra = plot_positions.present(rows)  # its own x axis (position): not shared
-  fig, axes = plt.subplots(len(PANELS) + extra, 1, figsize=(10, 2.4 * (len(PANELS) + extra)))
+  panels = PANELS + (("reward",) if any("reward_mean" in r for r in rows) else ())
+  fig, axes = plt.subplots(len(panels) + extra, 1, figsize=(10, 2.4 * (len(panels) + extra)))
   if extra:
     plot_positions.draw(axes[-1], rows, labels)
     axes = axes[:-1]
   for ax in axes[:-1]:
     ax.sharex(axes[-1])
     ax.tick_params(labelbottom=False)
-  ax_of = dict(zip(PANELS, axes))
+  ax_of = dict(zip(panels, axes))
   for name, ax in ax_of.items():
     ax.set_title(TITLES[name], fontsize=9, loc="left")
     ax.grid(alpha=0.3)
@@ -100,6 +102,8 @@ def figure(rows, labels=None, title=""):
   ax_of["norms"].set_yscale("log")
   _lines(ax_of["max_logit"], rows, ("max_logit",))
   _mfu(ax_of["mfu"], rows)
+  if "reward" in ax_of:  # a GRPO stage (maxlm/train/grpo.py)
+    _lines(ax_of["reward"], rows, ("reward_mean", "eval_pass@1"))
   _stage_lines(axes, rows, labels)
   axes[-1].set_xlabel("step")
   fig.suptitle(title)
