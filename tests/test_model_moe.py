@@ -9,9 +9,13 @@ from hypothesis import given, settings, strategies as st
 
 from maxlm import config
 from maxlm.config_model import MoeConfig
-from maxlm.model import moe
+from maxlm.model import build, layers, moe
 
 B, L, D, E, F = 2, 24, 32, 6, 16
+# jitted once each: op-by-op dispatch of the eager functions is slower than compiling them
+grouped = jax.jit(moe.experts_grouped, static_argnums=(5,), static_argnames=("impl",))
+loop = jax.jit(moe.experts_loop, static_argnums=(5,))
+route = jax.jit(moe.route, static_argnums=(3,))
 
 
 def model_config(**moe_keys):
@@ -40,10 +44,12 @@ def segments():
 
 
 def apply_layer(cfg, params, x_BxLxD, seg_BxL, bias=None):
+  """One jitted apply, traced afresh each call (tests swap moe._experts_fn between calls)."""
   variables = {"params": params}
   if bias is not None:
     variables["moe_bias"] = bias
-  return moe.MoeMlp(cfg).apply(variables, x_BxLxD, seg_BxL, mutable=["moe"])
+  return jax.jit(lambda v, x, s: moe.MoeMlp(cfg).apply(v, x, s, mutable=["moe"]))(
+      variables, x_BxLxD, seg_BxL)
 
 
 @pytest.mark.parametrize("score,norm_topk,shared", [
@@ -57,13 +63,14 @@ def test_layer_grouped_equals_loop_outputs_and_grads(monkeypatch, score, norm_to
   bias = {"bias": jnp.linspace(-0.1, 0.1, E)}
 
   def loss(p, x):
-    y, _ = apply_layer(cfg, p, x, seg, bias)
+    y, _ = moe.MoeMlp(cfg).apply({"params": p, "moe_bias": bias}, x, seg, mutable=["moe"])
     return jnp.sum(jnp.sin(y)), y
 
   results = {}
   for name, fn in (("grouped", moe.experts_grouped), ("loop", moe.experts_loop)):
     monkeypatch.setattr(moe, "_experts_fn", lambda _s, fn=fn: fn)
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BxLxD)
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, x_BxLxD)
     results[name] = (y, grads)
   (y_g, grads_g), (y_l, grads_l) = results["grouped"], results["loop"]
   assert float(jnp.max(jnp.abs(y_l))) > 1e-2  # the layer computes something
@@ -103,11 +110,11 @@ def test_capacity_drops_exactly_the_overflow_slots():
   x_TxD = inputs(n=8)
   _, gate_up, down = weights(n_experts=3)
   weight_TxK = jax.random.uniform(jax.random.key(5), (8, 2)) + 0.5
-  y = moe.experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
-  y_loop = moe.experts_loop(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
-  y_masked = moe.experts_grouped(x_TxD, expert_TxK, jnp.where(kept_TxK, weight_TxK, 0.0),
+  y = grouped(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
+  y_loop = loop(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
+  y_masked = grouped(x_TxD, expert_TxK, jnp.where(kept_TxK, weight_TxK, 0.0),
                                  gate_up, down, 0)
-  y_dropless = moe.experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up, down, 0)
+  y_dropless = grouped(x_TxD, expert_TxK, weight_TxK, gate_up, down, 0)
   np.testing.assert_allclose(y, y_masked, atol=1e-6)
   np.testing.assert_allclose(y_loop, y_masked, atol=1e-6)
   assert float(jnp.max(jnp.abs(y - y_dropless))) > 1e-3
@@ -138,9 +145,9 @@ def test_bias_changes_selection_not_weights(score):
   cfg = MoeConfig(experts=E, top_k=2, score=score, norm_topk=False)
   x_TxD = inputs(n=16)
   router, _, _ = weights()
-  expert0, weight0, _ = moe.route(x_TxD, router, jnp.zeros(E), cfg)
+  expert0, weight0, _ = route(x_TxD, router, jnp.zeros(E), cfg)
   bias_E = jnp.zeros(E).at[E - 1].set(10.0)
-  expert1, weight1, _ = moe.route(x_TxD, router, bias_E, cfg)
+  expert1, weight1, _ = route(x_TxD, router, bias_E, cfg)
   assert bool(jnp.all(jnp.any(expert1 == E - 1, axis=-1)))  # the biased expert is chosen
   assert bool(jnp.any(expert1 != expert0))
   logits = x_TxD @ router
@@ -151,7 +158,7 @@ def test_bias_changes_selection_not_weights(score):
 
 def test_norm_topk_weights_sum_to_one():
   cfg = MoeConfig(experts=E, top_k=3, score="sigmoid", norm_topk=True)
-  _, weight, _ = moe.route(inputs(n=16), weights()[0], jnp.zeros(E), cfg)
+  _, weight, _ = route(inputs(n=16), weights()[0], jnp.zeros(E), cfg)
   np.testing.assert_allclose(jnp.sum(weight, -1), 1.0, rtol=1e-6)
 
 
@@ -160,21 +167,21 @@ def test_padding_tokens_are_not_routed_nor_counted():
   x_TxD = inputs(n=20)
   router, gate_up, down = weights()
   mask_T = jnp.arange(20) % 4 != 3  # 15 real tokens
-  expert, weight, stats = moe.route(x_TxD, router, jnp.zeros(E), cfg, mask_T)
+  expert, weight, stats = route(x_TxD, router, jnp.zeros(E), cfg, mask_T)
   assert float(jnp.sum(stats["load"])) == 15 * 2
   assert bool(jnp.all(expert[~mask_T] == E)) and bool(jnp.all(weight[~mask_T] == 0))
-  _, _, real_stats = moe.route(x_TxD[mask_T], router, jnp.zeros(E), cfg)
+  _, _, real_stats = route(x_TxD[mask_T], router, jnp.zeros(E), cfg)
   for name in ("load", "aux_loss", "z_loss", "entropy"):
     np.testing.assert_allclose(stats[name], real_stats[name], rtol=1e-5, err_msg=name)
-  y = moe.experts_grouped(x_TxD, expert, weight, gate_up, down, 4)
-  y_real = moe.experts_grouped(x_TxD[mask_T], expert[mask_T], weight[mask_T], gate_up, down, 4)
+  y = grouped(x_TxD, expert, weight, gate_up, down, 4)
+  y_real = grouped(x_TxD[mask_T], expert[mask_T], weight[mask_T], gate_up, down, 4)
   np.testing.assert_allclose(y[mask_T], y_real, atol=1e-6)  # padding takes no capacity
   assert float(jnp.max(jnp.abs(y[~mask_T]))) == 0
 
 
 def test_uniform_router_stats():
   cfg = MoeConfig(experts=E, top_k=2)
-  _, _, stats = moe.route(inputs(n=12), jnp.zeros((D, E)), jnp.zeros(E), cfg)
+  _, _, stats = route(inputs(n=12), jnp.zeros((D, E)), jnp.zeros(E), cfg)
   np.testing.assert_allclose(stats["aux_loss"], 1.0, rtol=1e-6)  # E * sum_e f_e / E
   np.testing.assert_allclose(stats["z_loss"], math.log(E) ** 2, rtol=1e-6)
   np.testing.assert_allclose(stats["entropy"], math.log(E), rtol=1e-6)
@@ -184,7 +191,7 @@ def test_aux_loss_counts_imbalance():
   cfg = MoeConfig(experts=4, top_k=1)
   router = jnp.zeros((D, 4))
   bias_E = jnp.array([1.0, 0, 0, 0])  # every token to expert 0, scores still uniform
-  _, _, stats = moe.route(inputs(n=8), router, bias_E, cfg)
+  _, _, stats = route(inputs(n=8), router, bias_E, cfg)
   np.testing.assert_allclose(stats["load"], [8, 0, 0, 0])
   np.testing.assert_allclose(stats["aux_loss"], 4 * 1.0 * 0.25, rtol=1e-6)
 
@@ -192,10 +199,10 @@ def test_aux_loss_counts_imbalance():
 def test_megablox_interpret_equals_ragged_dot():
   x_TxD = inputs(n=40)
   router, gate_up, down = weights()
-  expert, weight, _ = moe.route(x_TxD, router, jnp.zeros(E), MoeConfig(experts=E, top_k=2))
+  expert, weight, _ = route(x_TxD, router, jnp.zeros(E), MoeConfig(experts=E, top_k=2))
 
   def run(impl):
-    fn = lambda x, g, d: moe.experts_grouped(x, expert, weight, g, d, 0, impl=impl)
+    fn = lambda x, g, d: grouped(x, expert, weight, g, d, 0, impl=impl)
     return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(
         x_TxD, gate_up, down)
 
@@ -229,10 +236,41 @@ def test_token_permutation_permutes_outputs(seed, top_k, score):
   perm = np.random.default_rng(seed).permutation(16)
 
   def layer(x):
-    expert, weight, stats = moe.route(x, router, jnp.zeros(E), cfg)
-    return moe.experts_grouped(x, expert, weight, gate_up, down, 0), stats["load"]
+    expert, weight, stats = route(x, router, jnp.zeros(E), cfg)
+    return grouped(x, expert, weight, gate_up, down, 0), stats["load"]
 
   y, load = layer(x_TxD)
   y_perm, load_perm = layer(x_TxD[perm])
   np.testing.assert_allclose(y_perm, y[perm], atol=1e-6)
   np.testing.assert_array_equal(load_perm, load)
+
+
+@pytest.mark.parametrize("first_dense,every,moe_layers", [(1, 2, [2]), (0, 2, [1, 3])])
+def test_decoder_places_moe_layers_by_the_plan(first_dense, every, moe_layers):
+  cfg = config.from_dict({
+      "model": {"size": "tiny", "vocab_size": 64, "d_model": D, "n_layers": 4, "dtype": "float32",
+                "moe": {"experts": 4, "top_k": 2, "every": every, "first_dense": first_dense,
+                        "shared_experts": 1, "d_ff": F}},
+      "stages": [{"seq_len": L, "batch": B, "steps": 1, "attention": "reference"}]})
+  assert [i for i, spec in enumerate(layers.specs(cfg.model)) if spec.moe] == moe_layers
+  model = build.model_for(cfg, 0)
+  tokens = jax.random.randint(jax.random.key(0), (B, L), 0, 64)
+  positions = jnp.broadcast_to(jnp.arange(L), (B, L))
+  seg = segments()
+  variables = jax.jit(model.init)(jax.random.key(1), tokens, positions, seg)
+  params = nn.meta.unbox(variables["params"])
+  for i, layer in enumerate(layers.per_layer(params, cfg.model)):
+    expected = {"moe"} if i in moe_layers else {"mlp"}
+    assert {"moe", "mlp"} & set(layer) == expected, i
+    if i in moe_layers:
+      assert layer["moe"]["experts"]["gate_up"].shape == (4, D, 2, F)
+      assert layer["moe"]["shared"]["down"]["kernel"].shape == (F, D)
+  bias = variables["moe_bias"]
+  (h, _, _), stats = jax.jit(lambda v: model.apply(v, tokens, positions, seg, mutable=["moe"]))(
+      {"params": params, "moe_bias": bias})
+  assert h.shape == (B, L, D) and bool(jnp.all(jnp.isfinite(h)))
+  loads = [leaf.reshape(-1, 4) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      stats["moe"]) if "'load'" in jax.tree_util.keystr(path)]
+  load_LxE = np.concatenate(loads)  # one row per MoE layer
+  np.testing.assert_array_equal(load_LxE.sum(-1), [int(jnp.sum(seg > 0)) * 2] * len(moe_layers))
+  assert sum(b.size for b in jax.tree_util.tree_leaves(bias)) == 4 * len(moe_layers)
