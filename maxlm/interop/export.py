@@ -1,4 +1,5 @@
-"""`maxlm export RUN_DIR --out DIR`: a checkpoint as a transformers Llama folder.
+"""`maxlm export RUN_DIR --out DIR`: a checkpoint as a transformers folder (families.py picks
+the class: Llama, Ministral, Qwen2-MoE or GLM-4-MoE).
 
 The folder holds config.json, generation_config.json, the weights as safetensors and the
 tokenizer files, and loads with `AutoModelForCausalLM.from_pretrained(DIR)` and
@@ -31,7 +32,7 @@ from safetensors.numpy import save_file
 
 from maxlm import MaxlmError, io, outputs
 from maxlm.data import tokenizer as tok_lib
-from maxlm.interop import hf_config, layout, run_reader, tokenizer
+from maxlm.interop import families, hf_config, layout, run_reader, tokenizer
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 SHARD_BYTES = 2 * 2**30
@@ -54,7 +55,7 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
   _remove_stale(target, log)
   try:
     while True:
-      hf = hf_config.llama_config(source.config, source.meta, source.vocab, special, dtype)
+      hf = families.config_json(source.config, source.meta, source.vocab, special, dtype)
       try:
         files, total = _write_folder(tmp, hf, special, source, dtype, shard_bytes, proto)
         break
@@ -188,8 +189,9 @@ def write_model(folder, hf, special, source, dtype="float32", shard_bytes=SHARD_
 def _write_weights(folder, source, dtype, shard_bytes):
   """Streams every tensor into shards of at most shard_bytes; returns (file names, bytes)."""
   shapes = layout.hf_shapes(source.model_cfg)
+  _check_expressible(source)
   names = source.names()
-  size = {n: int(np.prod(shapes[n])) * np.dtype(dtype).itemsize for n in names}
+  size = {n: int(np.prod(shapes[n])) * np.dtype(_dtype(n, dtype)).itemsize for n in names}
   shards, current = [], []
   for n in names:  # planned from the shapes first: file names need the shard count
     if current and sum(size[m] for m in current) + size[n] > shard_bytes:
@@ -206,7 +208,7 @@ def _write_weights(folder, source, dtype, shard_bytes):
       array = source.get(n)
       if array.shape != tuple(shapes[n]):  # a layout bug, never a user's doing
         raise AssertionError(f"{n}: {array.shape} != {shapes[n]}")
-      tensors[n] = np.ascontiguousarray(array.astype(dtype, copy=False))
+      tensors[n] = np.ascontiguousarray(array.astype(_dtype(n, dtype), copy=False))
       weight_map[n] = file
     save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
     del tensors
@@ -215,6 +217,21 @@ def _write_weights(folder, source, dtype, shard_bytes):
     _dump(os.path.join(folder, "model.safetensors.index.json"),
           {"metadata": {"total_size": total}, "weight_map": weight_map})
   return files, total
+
+
+def _dtype(name, dtype):
+  """The correction bias stays float32 (transformers keeps it so; its sums decide routing)."""
+  return np.float32 if name.endswith(families.BIAS_NAME) else dtype
+
+
+def _check_expressible(source):
+  """Arrays no tensor is made of (Qwen2-MoE's absent selection bias) are read once to check
+  that leaving them out changes nothing: to_hf refuses them otherwise."""
+  for leaf in layout.leaves(source.model_cfg):
+    if leaf.path is not None and not leaf.names:
+      array = source.array(leaf)
+      for row in range(leaf.shape[0]) if leaf.per_layer else [None]:
+        leaf.to_hf(array if row is None else array[row])
 
 
 def _dump(path, obj):

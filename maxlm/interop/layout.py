@@ -13,6 +13,9 @@ from typing import Callable
 
 import numpy as np
 
+from maxlm.interop import families
+from maxlm.train import moe_state
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
@@ -24,6 +27,12 @@ class Leaf:
   names: tuple  # the Llama tensors it makes (suffixes after model.layers.N. when per_layer)
   to_hf: Callable  # maxlm array -> {hf name (a suffix for per-layer leaves): array}
   from_hf: Callable  # get(hf name) -> maxlm array
+  layers: tuple = None  # the model layer of each row of a stacked leaf (None: row i, layer i)
+  collection: str = "params"  # its variable collection ("moe_bias": the balancing bias)
+  hf: dict = None  # {hf name (suffix when per_layer): shape} (None: a Llama leaf, hf_shapes)
+
+  def layer_ids(self):
+    return tuple(range(self.shape[0])) if self.layers is None else self.layers
 
 
 def hf_layer_name(i, suffix):
@@ -34,16 +43,54 @@ def _c(x):
   return np.ascontiguousarray(x)  # safetensors writes an array's memory as it lies
 
 
-def leaves(cfg):
-  """The Leaf of every maxlm parameter, for a ModelConfig with vocab_size resolved."""
-  d, h, k, hd, f, v, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                          cfg.vocab_size, cfg.n_layers)
+def leaves(cfg, biased=None):
+  """The Leaf of every maxlm parameter, for a ModelConfig with vocab_size resolved (and of
+  every layer's balancing bias when `biased`, default: the model trains one)."""
+  if families.family(cfg) != families.LLAMA:
+    from maxlm.interop import planned  # it builds on this module's Leaf
+    return planned.leaves(cfg, _llama_layer(cfg), _LAYER_NAMES,
+                          moe_state.enabled(cfg) if biased is None else biased)
+  d, v, n = cfg.d_model, cfg.vocab_size, cfg.n_layers
+  layer = _llama_layer(cfg)
+  out = [Leaf(("embedding",), (v, d), False, ("model.embed_tokens.weight",),
+              lambda a: {"model.embed_tokens.weight": _c(a)},
+              lambda get: _c(get("model.embed_tokens.weight")))]
+  for local, (shape, to_hf, from_hf) in layer.items():
+    names = _LAYER_NAMES[local]
+    if cfg.scan_layers:
+      out.append(Leaf(("layers", *local), (n, *shape), True, names, to_hf, from_hf))
+    else:
+      for i in range(n):
+        out.append(Leaf((f"layer_{i}", *local), shape, False,
+                        tuple(hf_layer_name(i, x) for x in names), _named(i, to_hf),
+                        _got(i, from_hf)))
+  out.extend(outer_leaves(cfg))
+  return out
+
+
+def outer_leaves(cfg):
+  """The final norm and the head (untied): every family's, after the layers."""
+  d, v = cfg.d_model, cfg.vocab_size
+  out = [Leaf(("final_norm", "scale"), (d,), False, ("model.norm.weight",),
+              lambda a: {"model.norm.weight": _c(a)},
+              lambda get: _c(get("model.norm.weight")))]
+  if not cfg.tied_embeddings:
+    out.append(Leaf(("head",), (d, v), False, ("lm_head.weight",),
+                    lambda a: {"lm_head.weight": _c(a.T)},
+                    lambda get: _c(get("lm_head.weight").T)))
+  return out
+
+
+def _llama_layer(cfg):
+  """{local path in a layer: (one layer's shape, to_hf, from_hf)} of attention, norms and the
+  dense MLP (the same tensor names in every family)."""
+  d, h, k, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
 
   def qkv(name, heads):
     return (lambda a: {name: _c(a.reshape(d, heads * hd).T)},
             lambda get: _c(get(name).T.reshape(d, heads, hd)))
 
-  layer = {  # local path: (one layer's shape, to_hf, from_hf)
+  return {  # local path: (one layer's shape, to_hf, from_hf)
       ("attention", "query", "kernel"): ((d, h, hd), *qkv("self_attn.q_proj.weight", h)),
       ("attention", "key", "kernel"): ((d, k, hd), *qkv("self_attn.k_proj.weight", k)),
       ("attention", "value", "kernel"): ((d, k, hd), *qkv("self_attn.v_proj.weight", k)),
@@ -65,26 +112,6 @@ def leaves(cfg):
           lambda a: {"post_attention_layernorm.weight": _c(a)},
           lambda get: _c(get("post_attention_layernorm.weight"))),
   }
-  out = [Leaf(("embedding",), (v, d), False, ("model.embed_tokens.weight",),
-              lambda a: {"model.embed_tokens.weight": _c(a)},
-              lambda get: _c(get("model.embed_tokens.weight")))]
-  for local, (shape, to_hf, from_hf) in layer.items():
-    names = _LAYER_NAMES[local]
-    if cfg.scan_layers:
-      out.append(Leaf(("layers", *local), (n, *shape), True, names, to_hf, from_hf))
-    else:
-      for i in range(n):
-        out.append(Leaf((f"layer_{i}", *local), shape, False,
-                        tuple(hf_layer_name(i, x) for x in names), _named(i, to_hf),
-                        _got(i, from_hf)))
-  out.append(Leaf(("final_norm", "scale"), (d,), False, ("model.norm.weight",),
-                  lambda a: {"model.norm.weight": _c(a)},
-                  lambda get: _c(get("model.norm.weight"))))
-  if not cfg.tied_embeddings:
-    out.append(Leaf(("head",), (d, v), False, ("lm_head.weight",),
-                    lambda a: {"lm_head.weight": _c(a.T)},
-                    lambda get: _c(get("lm_head.weight").T)))
-  return out
 
 
 _LAYER_NAMES = {
@@ -107,8 +134,12 @@ def _got(i, from_hf):
   return lambda get: from_hf(lambda name: get(hf_layer_name(i, name)))
 
 
-def hf_shapes(cfg):
-  """{hf tensor name: shape} of the Llama model a ModelConfig exports to."""
+def hf_shapes(cfg, biased=None):
+  """{hf tensor name: shape} of the model a ModelConfig exports to."""
+  if families.family(cfg) != families.LLAMA:
+    from maxlm.interop import planned  # it builds on this module's Leaf
+    return planned.hf_shapes(cfg, leaves(cfg, biased),
+                             moe_state.enabled(cfg) if biased is None else biased)
   d, h, k, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                        cfg.vocab_size)
   shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}

@@ -29,10 +29,19 @@ import numpy as np
 from safetensors import safe_open
 
 from maxlm import MaxlmError, io, outputs
-from maxlm.interop import export, hf_config, layout, run_reader
+from maxlm.interop import export, families, layout, run_reader
+from maxlm.train import moe_state
 
 _MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
-               "tied_embeddings")
+               "tied_embeddings", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff",
+               "moe.every", "moe.first_dense", "moe.score", "moe.norm_topk",
+               "attention.window", "attention.global_every")
+
+
+def _get(cfg, dotted):
+  for key in dotted.split("."):
+    cfg = getattr(cfg, key)
+  return cfg
 
 
 class HfFolder:
@@ -121,8 +130,8 @@ def _from_run(path, step, cfg, where, log):
   except MaxlmError as e:
     raise MaxlmError(f"{where}: {e}") from None
   there = run.model_cfg
-  diff = [f"model.{k} {getattr(there, k)} there, {getattr(cfg, k)} here" for k in _MODEL_KEYS
-          if getattr(there, k) != getattr(cfg, k)]
+  diff = [f"model.{k} {_get(there, k)} there, {_get(cfg, k)} here" for k in _MODEL_KEYS
+          if _get(there, k) != _get(cfg, k)]
   if diff:
     raise MaxlmError(f"{where} is another model than this config's: {'; '.join(diff)}. Set "
                      "those model keys (model.vocab_size for the vocabulary)")
@@ -139,18 +148,25 @@ def _from_run(path, step, cfg, where, log):
 def _from_hf(path, cfg, where, log):
   folder = HfFolder(path)
   _check_digests(path, where, log)
-  for note in hf_config.check_llama(folder.hf, cfg, where):
+  for note in families.check_folder(folder.hf, cfg, where):
     log(f"note: {where}: {note}")
   shapes = layout.hf_shapes(cfg)
   missing = [n for n in shapes if n not in folder.files]
   if missing:
     raise MaxlmError(f"{where}: {len(missing)} tensors missing, e.g. {missing[0]}")
+  get = _checked(folder.get, shapes, where)
+  for leaf in layout.leaves(cfg):
+    if leaf.path is None:  # a tensor maxlm has no parameter for must hold its constant
+      try:
+        leaf.from_hf(get)
+      except MaxlmError as e:
+        raise MaxlmError(f"{where}: {e}") from None
   tok = os.path.join(path, "tokenizer.model")
   tokenizer = open(tok, "rb").read() if os.path.exists(tok) else None
   with open(os.path.join(path, "config.json"), "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()[:16]
   record = {"from": path, "kind": "hf", "path": _absolute(path), "config_sha256": digest}
-  return Source(_checked(folder.get, shapes, where), list(shapes), record, tokenizer)
+  return Source(get, list(shapes), record, tokenizer)
 
 
 def _check_digests(path, where, log):
@@ -210,19 +226,31 @@ def params(source, cfg, params_like, put=lambda path, array: array):
   """A tree shaped like `params_like` (the parameters of ModelConfig `cfg`, vocab resolved),
   read from the source one parameter at a time; `put(path, array)` places each as it is read
   (the identity: host arrays)."""
-  by_path = {leaf.path: leaf for leaf in layout.leaves(cfg)}
+  return _collection(source, cfg, params_like, put, "params")
+
+
+def moe_bias(source, cfg, bias_like, put=lambda path, array: array):
+  """The balancing bias (a tree shaped like the train state's "moe_bias") from the source:
+  GLM-4-MoE's e_score_correction_bias, zero where the source has none."""
+  return _collection(source, cfg, bias_like, put, "moe_bias")
+
+
+def _collection(source, cfg, like_tree, put, collection):
+  by_path = {leaf.path: leaf for leaf in layout.leaves(cfg, biased=collection == "moe_bias"
+                                                       or None)
+             if leaf.collection == collection}
 
   def one(path, like):
     keys = tuple(getattr(k, "key", k) for k in path)
     leaf = by_path[keys]
     if leaf.per_layer:
       array = np.stack([leaf.from_hf(lambda n, i=i: source.get(layout.hf_layer_name(i, n)))
-                        for i in range(leaf.shape[0])])
+                        for i in leaf.layer_ids()])
     else:
       array = leaf.from_hf(source.get)
     assert array.shape == tuple(like.shape), (leaf.path, array.shape, like.shape)
     return put(keys, array)
-  return jax.tree_util.tree_map_with_path(one, params_like)
+  return jax.tree_util.tree_map_with_path(one, like_tree)
 
 
 def start(config, data, vocab, found, log):
@@ -256,4 +284,11 @@ def into_state(source, state, model, opt, mesh, shardings, log):
   with mesh:
     opt_state = jax.jit(opt.init)(placed)
   log(f"parameters from init.from {source.record['from']} ({source.record['kind']})")
-  return {**state, "params": placed, "opt_state": opt_state}
+  out = {**state, "params": placed, "opt_state": opt_state}
+  if moe_state.BIAS in state:  # the source's balancing bias, placed where the fresh one was
+    sharding = {tuple(getattr(k, "key", k) for k in p): x.sharding for p, x in
+                jax.tree_util.tree_leaves_with_path(state[moe_state.BIAS])}
+    out[moe_state.BIAS] = moe_bias(source, model.cfg, state[moe_state.BIAS], lambda keys, a:
+                                   jax.make_array_from_callback(a.shape, sharding[keys],
+                                                                lambda index: a[index]))
+  return out

@@ -14,20 +14,26 @@ import numpy as np
 
 from maxlm import config as config_lib
 from maxlm.data import tokenizer as tok_lib
-from maxlm.interop import export, hf_config, layout
+from maxlm.interop import export, families, layout
 from maxlm.model import build
 
 
 class ParamsSource:
   """In-memory maxlm parameters as `export.write_model` reads a source."""
 
-  def __init__(self, model_cfg, params):
+  def __init__(self, model_cfg, params, moe_bias=None):
     self.model_cfg, self._tensors = model_cfg, {}
-    for leaf in layout.leaves(model_cfg):
-      array = np.asarray(_at(params, leaf.path))
-      for i in range(leaf.shape[0]) if leaf.per_layer else [None]:
-        for name, value in leaf.to_hf(array[i] if i is not None else array).items():
+    self._trees = {"params": params, "moe_bias": moe_bias}
+    for leaf in layout.leaves(model_cfg, biased=moe_bias is not None):
+      array = self.array(leaf)
+      for row, i in enumerate(leaf.layer_ids()) if leaf.per_layer else [(None, None)]:
+        for name, value in leaf.to_hf(array[row] if i is not None else array).items():
           self._tensors[layout.hf_layer_name(i, name) if i is not None else name] = value
+
+  def array(self, leaf):
+    if leaf.path is None:
+      return None
+    return np.asarray(_at(self._trees[leaf.collection], leaf.path))
 
   def names(self):
     return list(self._tensors)
@@ -61,16 +67,26 @@ def random_params(config, seed=0, std=0.15):
   return model, jax.tree_util.tree_map_with_path(draw, shapes)
 
 
-def random_folder(folder, config, params):
+def random_bias(model, seed=1, scale=0.05):
+  """A random balancing bias shaped like the model's "moe_bias" collection (numpy), big
+  enough to change which experts are chosen."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map(
+      lambda x: (scale * rng.standard_normal(x.shape)).astype(np.float32),
+      build.abstract_collection(model, "moe_bias"))
+
+
+def random_folder(folder, config, params, moe_bias=None):
   """Writes config.json and the weights of `params` (trained last in the last stage)."""
   meta = {"stage": len(config.stages) - 1, "stage_step": 1, "global_step": 1}
   vocab = config.model.vocab_size
-  hf = hf_config.llama_config(config, meta, vocab, tok_lib.DEFAULT_SPECIAL, "float32")
+  hf = families.config_json(config, meta, vocab, tok_lib.DEFAULT_SPECIAL, "float32")
   cfg = dataclasses.replace(config.model, vocab_size=vocab)
-  export.write_model(str(folder), hf, tok_lib.DEFAULT_SPECIAL, ParamsSource(cfg, params))
+  export.write_model(str(folder), hf, tok_lib.DEFAULT_SPECIAL,
+                     ParamsSource(cfg, params, moe_bias))
 
 
-def maxlm_logits(model, params, tokens_BxL, segment_ids_BxL):
+def maxlm_logits(model, params, tokens_BxL, segment_ids_BxL, moe_bias=None):
   """[B, L, V] float32 logits; positions restart at each segment."""
   seg = np.asarray(segment_ids_BxL)
   pos = np.zeros_like(seg)
@@ -78,7 +94,8 @@ def maxlm_logits(model, params, tokens_BxL, segment_ids_BxL):
     for s in np.unique(seg[r][seg[r] > 0]):
       idx = np.flatnonzero(seg[r] == s)
       pos[r, idx] = np.arange(len(idx))
-  h, head, _ = jax.jit(model.apply)({"params": params}, jnp.asarray(tokens_BxL, jnp.int32),
+  variables = {"params": params, **({"moe_bias": moe_bias} if moe_bias is not None else {})}
+  h, head, _ = jax.jit(model.apply)(variables, jnp.asarray(tokens_BxL, jnp.int32),
                                     jnp.asarray(pos, jnp.int32), jnp.asarray(seg, jnp.int32))
   return np.asarray(h.astype(jnp.float32) @ head.astype(jnp.float32))
 
@@ -93,14 +110,14 @@ def hf_logits(folder, documents):
     return [hf(torch.tensor([doc], dtype=torch.long)).logits[0].numpy() for doc in documents]
 
 
-def max_difference(model, params, folder, documents, seq_len):
+def max_difference(model, params, folder, documents, seq_len, moe_bias=None):
   """The largest |maxlm - transformers| logit over `documents`, packed into one maxlm row."""
   row, seg = np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32)
   at = 0
   for i, doc in enumerate(documents):
     row[at:at + len(doc)], seg[at:at + len(doc)] = doc, i + 1
     at += len(doc)
-  ours = maxlm_logits(model, params, row[None], seg[None])[0]
+  ours = maxlm_logits(model, params, row[None], seg[None], moe_bias)[0]
   theirs = hf_logits(folder, documents)
   at, worst = 0, 0.0
   for doc, logits in zip(documents, theirs):

@@ -1,4 +1,4 @@
-"""A run's checkpoint read one parameter at a time, by Llama tensor name.
+"""A run's checkpoint read one parameter at a time, by HF tensor name (layout.py).
 
 Orbax restores whole pytrees into device shardings; exporting or initialising from a model
 that may not fit one host needs less: each array is opened with TensorStore where Orbax wrote
@@ -75,9 +75,9 @@ class RunCheckpoint:
     """{hf name: (leaf, layer or None)}: where each Llama tensor comes from."""
     names = {}
     for leaf in layout.leaves(self.model_cfg):
-      for i in range(self.model_cfg.n_layers) if leaf.per_layer else [None]:
+      for row, i in enumerate(leaf.layer_ids()) if leaf.per_layer else [(None, None)]:
         for name in leaf.names:
-          names[layout.hf_layer_name(i, name) if leaf.per_layer else name] = (leaf, i)
+          names[layout.hf_layer_name(i, name) if leaf.per_layer else name] = (leaf, row)
     return names
 
   def names(self):
@@ -86,17 +86,28 @@ class RunCheckpoint:
   def get(self, name):
     """One Llama tensor (float32, numpy), from the parameter last read if it holds it."""
     leaf, i = self._names[name]
-    if self._cache[0] != leaf.path:
-      self._cache = (leaf.path, self._read(leaf.path), {})
+    if self._cache[0] != leaf.path or leaf.path is None:
+      self._cache = (leaf.path, self.array(leaf), {})
     path, array, tensors = self._cache
     if i not in tensors:
       tensors.clear()
       tensors[i] = leaf.to_hf(array[i] if leaf.per_layer else array)
     return tensors[i][name.split(".", 3)[3] if leaf.per_layer else name]
 
+  def array(self, leaf):
+    """The whole array a Leaf reads (all its layers; None for a constant)."""
+    if leaf.path is None:
+      return None
+    if leaf.collection == "params":
+      return self._read(leaf.path)
+    return self._read_in(leaf.collection, leaf.path)
+
   def _read(self, path):
-    key = jax_keystr(("params", *path))
-    store = _open_array(self.state_dir, self._format, ("params", *path))
+    return self._read_in("params", path)
+
+  def _read_in(self, collection, path):
+    key = jax_keystr((collection, *path))
+    store = _open_array(self.state_dir, self._format, (collection, *path))
     try:
       array = np.ascontiguousarray(store.read().result())
     except Exception as e:  # noqa: BLE001 (TensorStore: a damaged or missing chunk)
