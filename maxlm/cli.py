@@ -159,6 +159,8 @@ def _parser():
   p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
   p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
   p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="then among the likeliest whose probability mass reaches p (1: all)")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
   p = sub.add_parser("export", help="a checkpoint as a Hugging Face Llama folder "

@@ -70,8 +70,9 @@ def cmd_generate(args):
     raise MaxlmError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
   if args.samples < 1:
     raise MaxlmError(f"--samples must be >= 1, got {args.samples}")
-  generate.check_settings(args.temperature, args.top_k, args.seed + args.samples - 1,
-                          args.max_tokens)
+  generate.check_settings(args.temperature, args.top_k, args.seed, args.max_tokens)
+  if not 0 < args.top_p <= 1:
+    raise MaxlmError(f"--top-p must be in (0, 1] (1: all tokens), got {args.top_p}")
   if args.prompt is not None:
     _utf8(args.prompt)
   else:
@@ -84,8 +85,8 @@ def cmd_generate(args):
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   if args.prompts:
     prompts = _fitting(args, data, sp, prompts, dropped, positions)
-    result = verify.evaluate(_sampler(args, data, sp, mesh, model, params), prompts,
-                             args.verify, args.samples)
+    result = verify.evaluate(_sampler(args, data, sp, mesh, config, model, params, prompts),
+                             prompts, args.verify, args.samples)
     print(json.dumps({**result, "dropped": dropped}) if args.json else
           verify.format_result(result))
     return
@@ -93,10 +94,8 @@ def cmd_generate(args):
   problem = generate.length_problem(len(ids), args.max_tokens, positions)
   if problem:
     raise MaxlmError(f"--prompt: {problem} (stages.{longest}.seq_len)")
-  with mesh:
-    out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
-                          temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                          eos_id=data.special.eos)
+  from maxlm.eval import sample
+  [[out]] = sample.sample_batch(model, params, [ids], **_settings(args, data, mesh, config))
   print(args.prompt + sp.decode(out))
 
 
@@ -136,21 +135,41 @@ def _fitting(args, data, sp, prompts, dropped, positions):
   return kept
 
 
-def _sampler(args, data, sp, mesh, model, params):
-  """sample(prompt, i): the i-th answer to a prompt (seed --seed + i), cut at EOS or <|end|>."""
-  from maxlm.data import pairs, tokenizer
-  from maxlm.eval import generate
-  end = sp.piece_to_id(tokenizer.CHAT_END)
+def _settings(args, data, mesh, config, n_samples=1):
+  """sample.sample_batch's keyword arguments from the command line."""
+  return dict(n_samples=n_samples, max_new_tokens=args.max_tokens, temperature=args.temperature,
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=data.special.eos,
+              mesh=mesh, rules=config.rules)
 
-  def sample(prompt, i):
-    ids = [data.special.bos] + pairs.prompt_ids(sp, prompt, not isinstance(prompt, str))
-    with mesh:
-      out = generate.sample(model, params, ids, max_tokens=args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, seed=args.seed + i,
-                            eos_id=data.special.eos)
-    out = out[:out.index(end)] if end in out else out
-    return sp.decode([t for t in out if t != data.special.eos])
-  return sample
+
+ROWS_PER_CALL = 256  # prompts x samples sampled together by one call of the batched sampler
+
+
+def _sampler(args, data, sp, mesh, config, model, params, prompts):
+  """sample(prompt, i): the i-th answer to a prompt, cut at EOS or <|end|>. Every answer is
+  sampled up front by the batched sampler, prompts of similar length together; a prompt's
+  samples depend only on --seed and its place in the file (sample.py's keys)."""
+  from maxlm.data import pairs, tokenizer
+  from maxlm.eval import sample as sample_lib
+  end = sp.piece_to_id(tokenizer.CHAT_END)
+  ids = [[data.special.bos] + pairs.prompt_ids(sp, p["prompt"], not isinstance(p["prompt"], str))
+         for p in prompts]
+  order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+  per_call = max(1, ROWS_PER_CALL // args.samples)
+  texts = {}
+  for at in range(0, len(order), per_call):
+    chunk = order[at:at + per_call]
+    outs = sample_lib.sample_batch(model, params, [ids[i] for i in chunk], prompt_indices=chunk,
+                                   **_settings(args, data, mesh, config, args.samples))
+    for i, rows in zip(chunk, outs):
+      rows = [out[:out.index(end)] if end in out else out for out in rows]
+      texts.setdefault(_prompt_key(prompts[i]["prompt"]),  # a repeated prompt: first samples
+                       [sp.decode([t for t in out if t != data.special.eos]) for out in rows])
+  return lambda prompt, i: texts[_prompt_key(prompt)][i]
+
+
+def _prompt_key(prompt):
+  return json.dumps(prompt, sort_keys=True)
 
 
 def cmd_export(args):
