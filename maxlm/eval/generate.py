@@ -1,7 +1,10 @@
-"""Sampling with a KV cache: prefill the prompt once, then one token per step.
+"""The one-sequence sampler, and the checks `maxlm generate` makes before sampling.
 
-The decoder runs with `decode=True`, keeping each layer's keys and values in the "cache"
-collection, so step t attends to the cached keys instead of recomputing the prefix. Sampling
+`maxlm generate` and GRPO sample with the batched sampler (eval/sample.py: many rows, the whole
+decode loop in jit). `sample` here is the plain reference it is tested and benchmarked against
+(tests/test_eval_sample.py, tools/bench_sample.py): one sequence, a KV cache (the decoder with
+`decode=True` keeps each layer's keys and values in the "cache" collection, so step t attends
+to the cached keys instead of recomputing the prefix), a host round trip per token. Sampling
 is temperature plus top-k with a seeded key per step, so a seed reproduces its sample; a seed
 is any integer in [0, 2**64), all 64 bits in the key (jax.random.key keeps 32 of them without
 x64, so seeds 0 and 2**32 would sample alike).
