@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.model import moe
+from maxlm.model import build, moe
 from maxlm.parallel import expert, mesh as mesh_lib
 from maxlm.typed_yaml import ConfigError
 
@@ -126,3 +126,57 @@ def test_gpu_moe_check_dry_run_measures_and_agrees(tmp_path):
   assert report["grouped"]["grouped_ragged_dot_vs_loop_max_abs_diff"] < 1e-5
   assert report["dispatch"]["sharded_vs_grouped_max_abs_diff"] < 1e-5
   assert report["grouped"]["loop_ms"] > 0 and report["dispatch"]["all_to_all_ms"] > 0
+
+
+def _moe_config(**moe):
+  return config_lib.from_dict({
+      "model": {"size": "tiny", "vocab_size": 128, "dtype": "float32", "d_model": 32,
+                "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64, "n_layers": 3,
+                "moe": {"experts": 8, "top_k": 2, "shared_experts": 1, "d_ff": 16,
+                        "first_dense": 1, "aux_loss": 0.01, "router_z_loss": 0.001, **moe}},
+      "stages": [{"seq_len": 32, "batch": 8, "steps": 1, "attention": "blockwise",
+                  "block_q": 16, "block_k": 16}]})
+
+
+def _model_loss_and_grads(cfg, sizes, n_devices):
+  mesh = _mesh_of(sizes, n_devices)
+  model = build.model_for(cfg, 0, mesh)
+  params = build.init_params(model, jax.random.key(0), mesh, cfg.rules, 32)
+  rng = np.random.default_rng(0)
+  seg = np.repeat(np.arange(1, 5), 8)[None].repeat(8, 0).astype(np.int32)
+  seg[1, 20:] = 0  # padding: routed nowhere
+  pos = np.tile(np.arange(8), 4)[None].repeat(8, 0).astype(np.int32)
+  batch = {"inputs": rng.integers(0, 128, (8, 32)).astype(np.int32),
+           "targets": rng.integers(0, 128, (8, 32)).astype(np.int32), "segment_ids": seg,
+           "positions": pos, "loss_mask": (seg > 0).astype(np.int32)}
+  placed = mesh_lib.place_batch(batch, mesh, cfg.rules)
+  fn = jax.value_and_grad(lambda p, b: build.loss_fn(model, p, b, cfg.rules, chunk=16),
+                          has_aux=True)
+  with mesh:
+    (loss, aux), grads = jax.jit(fn)(params, placed)
+  return float(loss), jax.tree_util.tree_map(np.asarray, aux["moe"]), jax.tree_util.tree_map(
+      np.asarray, grads)
+
+
+def _mesh_of(sizes, n_devices):
+  return mesh_lib.make_mesh(config_lib.MeshConfig(**sizes), jax.devices()[:n_devices])
+
+
+@pytest.mark.parametrize("sizes, moe_keys", [
+    (dict(data=1, fsdp=2, expert=4), {}),
+    (dict(data=2, expert=2, context=2), {"capacity_factor": 1.0, "score": "sigmoid"})],
+    ids=["fsdp2xexpert4", "data2xexpert2xcontext2-capacity"])
+def test_moe_model_loss_and_grads_on_an_expert_mesh_equal_one_device(sizes, moe_keys):
+  cfg = _moe_config(**moe_keys)
+  loss1, stats1, grads1 = _model_loss_and_grads(cfg, dict(data=1), 1)
+  loss, stats, grads = _model_loss_and_grads(cfg, sizes, 8)
+  assert abs(loss - loss1) <= 1e-5 * abs(loss1)
+  for got, want in zip(jax.tree_util.tree_leaves(stats), jax.tree_util.tree_leaves(stats1)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  dropped = sum(float(np.sum(x)) for p, x in jax.tree_util.tree_leaves_with_path(stats)
+                if "dropped" in jax.tree_util.keystr(p))
+  assert (dropped > 0) == bool(moe_keys)  # capacity mode drops here, and the same slots
+  paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(grads1)]
+  assert any("experts" in jax.tree_util.keystr(p) for p in paths)
+  for g, g1 in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads1)):
+    assert np.abs(g - g1).max() <= 1e-5 * np.abs(g1).max()
