@@ -154,6 +154,13 @@ def test_flops_count_the_active_experts_by_hand():
   local = (16 * 17 / 2 + (128 - 16) * 16) / 128
   assert build.flops_per_token(windowed, 128) == pytest.approx(
       want - 3 * 2 * 4 * h * hd * (attended - local))
+  model = build.Decoder(cfg, build.Settings(rope=config_lib.RopeConfig(), impl="reference"))
+  params = jax.eval_shape(lambda: build.init_params_abstract(model))
+  matmul = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(params)
+               if "norm" not in jax.tree_util.keystr(p) and "embedding" not in
+               jax.tree_util.keystr(p))
+  skipped = 2 * (8 - 2) * 3 * d * f  # the experts a token is not routed to, in 2 MoE layers
+  assert build.flops_per_token(cfg, 128, attended=0) == 6 * (matmul - skipped)
   seg = np.array([[1] * 20 + [2] * 100 + [0] * 8])
   assert build.mean_attended(seg, 16) == pytest.approx(
       (16 * 17 / 2 + 4 * 16 + 16 * 17 / 2 + 84 * 16) / 120)  # a query sees at most 16 keys

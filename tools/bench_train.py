@@ -78,7 +78,7 @@ def main(argv=None):
       jax.block_until_ready(m)
       times.append(time.perf_counter() - t)
     peak = args.peak or sheet or max(peak, gemm_flops())  # measured on both sides of the steps
-  per_token = build.flops_per_token(model.cfg, L, build.mean_attended(seg))
+  per_token = build.batch_flops_per_token(model.cfg, L, seg)
   achieved = per_token * B * L / min(times)
   out = {"device": jax.devices()[0].device_kind, "seq_len": L, "batch": B, "docs_per_row": D,
          "attention": cfg.stages[0].attention, "model": cfg.model.size,
