@@ -185,3 +185,92 @@ def test_parity_sees_a_wrong_window_and_a_dropped_bias(tmp_path):
   (tmp_path / "b").mkdir()
   parity.random_folder(tmp_path / "b", config, params, bias)
   assert parity.max_difference(m, params, tmp_path / "b", docs, 64, None) > 1e-3
+
+
+def _write_config(path, data_dir, run_dir, model):
+  import yaml
+  raw = {"seed": 0, "run_dir": str(run_dir),
+         "data": {"dir": str(data_dir), "mix": {"prose": 0.6, "code": 0.4}, "overlap": 4,
+                  "shuffle_rows": 8, "block_rows": 64},
+         "stages": [{"seq_len": 32, "batch": 8, "steps": 3, "attention": "blockwise",
+                     "block_q": 16, "block_k": 16}],
+         "model": {"size": "tiny", "dtype": "float32", "remat": "none", **MODEL,
+                   "n_layers": 4, "loss_chunk": 32, **model},
+         "train": {"lr": 0.01, "warmup_steps": 1, "checkpoint_every": 3, "eval_every": 0}}
+  path.write_text(yaml.safe_dump(raw))
+  return config_lib.load(str(path))
+
+
+TRAINED = {  # name: model keys of a run trained 3 steps
+    # GLM-4-MoE: sigmoid, the balancing bias moves; a dense layer then a scanned MoE group
+    "sigmoid_bias": {"moe": {**MOE, "score": "sigmoid", "balance": "bias", "bias_rate": 0.01}},
+    # Qwen2-MoE with local/global layers in groups; a bias that never moves exports
+    "softmax_window": {"moe": {**MOE, "first_dense": 0, "every": 2, "balance": "bias",
+                               "bias_rate": 0.0},
+                       "attention": {"window": 8, "global_every": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, demo_data):
+  from maxlm.train import loop
+  out = {}
+  for name, model in TRAINED.items():
+    tmp = tmp_path_factory.mktemp(name)
+    cfg = _write_config(tmp / "cfg.yaml", demo_data, tmp / "run", model)
+    loop.train(cfg, log=lambda _: 0)
+    out[name] = (tmp, cfg)
+  return out
+
+
+def _checkpoint_state(run_dir, step):
+  import os
+  import orbax.checkpoint as ocp
+  state = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step),
+                                                        "state"))
+  return jax.tree_util.tree_map(np.asarray, state)
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_trained_run_exports_and_imports_bit_for_bit(trained, name, tmp_path):
+  from maxlm.interop import export
+  tmp, cfg = trained[name]
+  out = tmp_path / "hf"
+  export.export(cfg.run_dir, str(out), log=lambda _: 0)
+  state = _checkpoint_state(cfg.run_dir, 3)
+  vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+  model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
+  raw = {**config_lib.to_dict(cfg), "init": {"from": str(out)}}
+  source = load.open_source(config_lib.from_dict(raw), vocab, None, log=lambda _: 0)
+  got = _flat(load.params(source, model_cfg, state["params"]))
+  want = _flat(state["params"])
+  assert got.keys() == want.keys() and any("group_" in k for k in want)
+  for key in want:
+    assert np.array_equal(got[key], want[key]), key
+  bias = load.moe_bias(source, model_cfg, state["moe_bias"])
+  for key, value in _flat(state["moe_bias"]).items():
+    assert np.array_equal(_flat(bias)[key], value), key
+  moved = any(np.any(v != 0) for v in _flat(state["moe_bias"]).values())
+  assert moved == (name == "sigmoid_bias")
+  _needs_transformers()  # and the export means what the run trained
+  from maxlm.model import build
+  model = build.model_for(cfg, 0, vocab_size=vocab)
+  rng = np.random.default_rng(3)
+  docs = [rng.integers(0, vocab, n).tolist() for n in (11, 21)]
+  assert parity.max_difference(model, state["params"], out, docs, 32, state["moe_bias"]) < 1e-4
+
+
+def test_a_moved_bias_with_softmax_is_refused_by_export(trained, tmp_path):
+  """A checkpoint's bias is read before any tensor is written: with Qwen2-MoE (softmax), one
+  that moved is refused in one line and nothing is exported."""
+  from maxlm.interop import export, run_reader
+  _, cfg = trained["softmax_window"]
+  run = run_reader.RunCheckpoint(cfg.run_dir, log=lambda _: 0)
+  read = run.array
+  run.array = lambda leaf: read(leaf) + np.float32(leaf.collection == "moe_bias")
+  hf = families.config_json(run.config, run.meta, run.vocab, parity.tok_lib.DEFAULT_SPECIAL,
+                            "float32")
+  with pytest.raises(hf_config.CannotExpress) as e:
+    export.write_model(str(tmp_path), hf, parity.tok_lib.DEFAULT_SPECIAL, run)
+  assert "model.moe.balance" in str(e.value) and "\n" not in str(e.value)
+  assert not list(tmp_path.glob("*.safetensors"))
