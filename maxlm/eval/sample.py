@@ -90,25 +90,28 @@ def choose(logits_NxV, keys_N, temperature, top_k=0, top_p=1.0):
 
 
 def make_generate(model, *, max_new_tokens, temperature, top_k=0, top_p=1.0, eos_id=None):
-  """A jitted fn(params, tokens_NxP, prompt_lengths_N, keys_Nx2) -> (tokens_NxT int32,
-  lengths_N int32, logprobs_NxT float32), T = max_new_tokens; inputs as `left_pad` and
-  `row_keys` make them. Build it once and call it for every batch of the same shapes."""
+  """A jitted fn(params, tokens_NxP, prompt_lengths_N, keys_Nx2, collections=None) ->
+  (tokens_NxT int32, lengths_N int32, logprobs_NxT float32), T = max_new_tokens; inputs as
+  `left_pad` and `row_keys` make them; `collections`: the model's other variable collections
+  (e.g. {"moe_bias": state["moe_bias"]}, so MoE routing matches training). Build it once and
+  call it for every batch (a new prompt width or row count retraces)."""
   decoder = model.clone(decode=True)
   eos = -1 if eos_id is None else int(eos_id)
 
-  def forward(params, cache, tokens_NxL, positions_NxL, segments_NxL):
-    (h, head, _), state = decoder.apply({"params": params, "cache": cache}, tokens_NxL,
+  def forward(variables, cache, tokens_NxL, positions_NxL, segments_NxL):
+    (h, head, _), state = decoder.apply({**variables, "cache": cache}, tokens_NxL,
                                         positions_NxL, segments_NxL, mutable=["cache"])
     return h[:, -1].astype(jnp.float32) @ head.astype(jnp.float32), state["cache"]
 
-  def generate(params, tokens_NxP, prompt_lengths_N, keys_Nx2):
+  def generate(params, tokens_NxP, prompt_lengths_N, keys_Nx2, collections=None):
+    variables = {**(collections or {}), "params": params}
     n, p = tokens_NxP.shape
     ones = jnp.ones((n, p + max_new_tokens), jnp.int32)
     shapes = jax.eval_shape(lambda: decoder.init(jax.random.key(0), ones, ones, ones))
     cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
     pad_N = p - prompt_lengths_N
     slots_NxP = jnp.arange(p, dtype=jnp.int32)[None] - pad_N[:, None]
-    logits_NxV, cache = forward(params, cache, tokens_NxP, jnp.maximum(slots_NxP, 0),
+    logits_NxV, cache = forward(variables, cache, tokens_NxP, jnp.maximum(slots_NxP, 0),
                                 (slots_NxP >= 0).astype(jnp.int32))
     keys_N = jax.random.wrap_key_data(keys_Nx2, impl="threefry2x32")
 
@@ -123,7 +126,7 @@ def make_generate(model, *, max_new_tokens, temperature, top_k=0, top_p=1.0, eos
       logp_NxT = logp_NxT.at[:, t].set(jnp.where(live_N, logp_N, 0.0))
       lengths_N = lengths_N + live_N.astype(jnp.int32)
       done_N = done_N | (token_N == eos)
-      logits_NxV, cache = forward(params, cache, token_N[:, None],
+      logits_NxV, cache = forward(variables, cache, token_N[:, None],
                                   (prompt_lengths_N + t)[:, None], jnp.ones((n, 1), jnp.int32))
       return t + 1, cache, logits_NxV, done_N, out_NxT, logp_NxT, lengths_N
 
@@ -174,7 +177,7 @@ def _shard_rows(arrays, mesh, rules):
 
 def generate_arrays(model, params, prompts, *, n_samples, max_new_tokens, temperature,
                     top_k=0, top_p=1.0, seed=0, eos_id=None, mesh=None, rules=None,
-                    prompt_indices=None):
+                    prompt_indices=None, collections=None):
   """(tokens [N, T], lengths [N], logprobs [N, T]) as numpy arrays, N = len(prompts) *
   n_samples prompt-major; see the module docstring for what each holds."""
   check(n_samples, max_new_tokens, temperature, top_k, top_p, model.cfg.vocab_size)
@@ -187,22 +190,23 @@ def generate_arrays(model, params, prompts, *, n_samples, max_new_tokens, temper
                  eos_id)
   n = tokens.shape[0]
   if mesh is None:
-    out = fn(params, tokens, lengths, keys)
+    out = fn(params, tokens, lengths, keys, collections)
   else:
     rules = model.settings.rules if rules is None else rules
     with mesh, nn.logical_axis_rules(mesh_lib.rules_list(rules or {})):
-      out = fn(params, *_shard_rows([tokens, lengths, keys], mesh, rules or {}))
+      out = fn(params, *_shard_rows([tokens, lengths, keys], mesh, rules or {}), collections)
   return tuple(np.asarray(jax.device_get(a))[:n] for a in out)
 
 
 def sample_batch(model, params, prompts, *, n_samples, max_new_tokens, temperature, top_k=0,
-                 top_p=1.0, seed=0, eos_id=None, mesh=None, rules=None, prompt_indices=None):
+                 top_p=1.0, seed=0, eos_id=None, mesh=None, rules=None, prompt_indices=None,
+                 collections=None):
   """Per prompt, n_samples completions (token lists without the prompt, ending at and
   including EOS when one was sampled)."""
   tokens, lengths, _ = generate_arrays(
       model, params, prompts, n_samples=n_samples, max_new_tokens=max_new_tokens,
       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_id=eos_id, mesh=mesh,
-      rules=rules, prompt_indices=prompt_indices)
+      rules=rules, prompt_indices=prompt_indices, collections=collections)
   rows = [tokens[r, :lengths[r]].tolist() for r in range(tokens.shape[0])]
   return [rows[i * n_samples:(i + 1) * n_samples] for i in range(len(prompts))]
 
