@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from maxlm import config
 from maxlm.config_model import MoeConfig
-from maxlm.model import build, layers, moe
+from maxlm.model import build, grouped as grouped_lib, layers, moe
 
 B, L, D, E, F = 2, 24, 32, 6, 16
 # jitted once each: op-by-op dispatch of the eager functions is slower than compiling them
@@ -196,21 +196,36 @@ def test_aux_loss_counts_imbalance():
   np.testing.assert_allclose(stats["aux_loss"], 4 * 1.0 * 0.25, rtol=1e-6)
 
 
-def test_megablox_interpret_equals_ragged_dot():
+@pytest.mark.parametrize("sizes", [[30, 0, 41, 7, 0, 2], [0, 0, 80, 0, 0, 0], [1] * 6])
+@pytest.mark.parametrize("impl", ["tiled", "megablox_interpret"])
+def test_grouped_matmul_equals_ragged_dot(impl, sizes):
+  m, k, n = 96, 24, 40  # rows past sum(sizes) must come out 0
+  lhs = jax.random.normal(jax.random.key(0), (m, k))
+  rhs = jax.random.normal(jax.random.key(1), (len(sizes), k, n))
+  cotangent = jax.random.normal(jax.random.key(2), (m, n))
+  sizes = jnp.asarray(sizes, jnp.int32)
+
+  def run(which):
+    fn = lambda a, b: grouped_lib.matmul(a, b, sizes, impl=which)
+    return jax.jit(lambda a, b: (fn(a, b), jax.grad(
+        lambda a, b: jnp.sum(fn(a, b) * cotangent), argnums=(0, 1))(a, b)))(lhs, rhs)
+
+  (y_ref, grads_ref), (y, grads) = run("ragged_dot"), run(impl)
+  np.testing.assert_allclose(y, y_ref, atol=1e-4, rtol=1e-5)
+  assert float(jnp.max(jnp.abs(y[int(jnp.sum(sizes)):]))) == 0
+  for a, b in zip(grads, grads_ref):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_experts_grouped_equals_loop_with_each_grouped_impl():
   x_TxD = inputs(n=40)
   router, gate_up, down = weights()
   expert, weight, _ = route(x_TxD, router, jnp.zeros(E), MoeConfig(experts=E, top_k=2))
-
-  def run(impl):
-    fn = lambda x, g, d: grouped(x, expert, weight, g, d, 0, impl=impl)
-    return jax.value_and_grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))(
-        x_TxD, gate_up, down)
-
-  (v_r, g_r), (v_m, g_m) = run("ragged_dot"), run("megablox_interpret")
-  np.testing.assert_allclose(v_m, v_r, rtol=1e-4)
-  for a, b in zip(g_m, g_r):
-    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
-  assert moe.default_grouped_impl() == "ragged_dot"  # CPU here
+  y_loop = loop(x_TxD, expert, weight, gate_up, down, 0)
+  for impl in ("tiled", "ragged_dot"):
+    y = grouped(x_TxD, expert, weight, gate_up, down, 0, impl=impl)
+    np.testing.assert_allclose(y, y_loop, atol=1e-5, rtol=1e-5, err_msg=impl)
+  assert grouped_lib.default_impl() == "tiled"  # CPU here
 
 
 def test_layer_without_bias_state_selects_unbiased():

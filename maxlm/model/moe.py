@@ -15,7 +15,7 @@ A slot whose token is padding (segment id 0) is routed to the sentinel expert E 
 every experts_* function computes nothing for it and counts it in neither load nor capacity.
 
 Experts: dropless by default - token slots sorted by expert and two grouped matmuls
-(`jax.lax.ragged_dot`; on TPU the megablox kernel jax ships, chosen in `grouped_matmul` only).
+(maxlm/model/grouped.py: megablox on TPU, jax.lax.ragged_dot on GPU, a tiled scan on CPU).
 With `capacity` > 0 each expert keeps its first `capacity` slots in token order and the rest
 contribute 0 (the layer sows how many were dropped).
 
@@ -33,8 +33,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-GROUPED_IMPLS = ("ragged_dot", "megablox", "megablox_interpret")
-_MEGABLOX_TILE_M = 128
+from maxlm.model import grouped
+
 
 
 def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
@@ -93,28 +93,6 @@ def dropped_slots(load_E, capacity):
   return jnp.sum(jnp.maximum(load_E - capacity, 0.0))
 
 
-def default_grouped_impl():
-  """The one place that picks the grouped matmul: megablox where it runs (TPU), else ragged_dot."""
-  return "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
-
-
-def grouped_matmul(lhs_MxK, rhs_GxKxN, sizes_G, impl=None):
-  """Rows of lhs in consecutive groups (sizes_G) times their group's matrix; rows past the
-  groups' total are 0. Output in lhs's dtype."""
-  impl = impl or default_grouped_impl()
-  if impl == "ragged_dot":
-    return jax.lax.ragged_dot(lhs_MxK, rhs_GxKxN, sizes_G)
-  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # TPU kernels
-  m, k = lhs_MxK.shape
-  n = rhs_GxKxN.shape[2]
-  pad = -m % _MEGABLOX_TILE_M
-  out = megablox.gmm(jnp.pad(lhs_MxK, ((0, pad), (0, 0))), rhs_GxKxN, sizes_G.astype(jnp.int32),
-                     preferred_element_type=lhs_MxK.dtype,
-                     tiling=(_MEGABLOX_TILE_M, min(128, k), min(128, n)),
-                     interpret=impl == "megablox_interpret")
-  return out[:m]
-
-
 def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
                     impl=None):
   """Routed SwiGLU experts over token slots sorted by expert (two grouped matmuls); computes in
@@ -135,11 +113,11 @@ def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
     order_S = order_S[jnp.argsort(jnp.where(kept_S, sorted_S, n_experts), stable=True)]
     sizes_E = jnp.minimum(sizes_E, capacity)
   x_SxD = x_TxD[order_S // k]
-  gate_up_Sx2F = grouped_matmul(x_SxD, gate_up_ExDx2xF.reshape(n_experts, d, 2 * f).astype(dt),
+  gate_up_Sx2F = grouped.matmul(x_SxD, gate_up_ExDx2xF.reshape(n_experts, d, 2 * f).astype(dt),
                                 sizes_E, impl)
   gate_up_Sx2xF = gate_up_Sx2F.reshape(n_slots, 2, f)
   h_SxF = nn.silu(gate_up_Sx2xF[:, 0]) * gate_up_Sx2xF[:, 1]
-  y_SxD = grouped_matmul(h_SxF, down_ExFxD.astype(dt), sizes_E, impl)
+  y_SxD = grouped.matmul(h_SxF, down_ExFxD.astype(dt), sizes_E, impl)
   y_SxD = jnp.where((jnp.arange(n_slots) < jnp.sum(sizes_E))[:, None], y_SxD, 0)
   unsort_S = jnp.zeros(n_slots, jnp.int32).at[order_S].set(jnp.arange(n_slots, dtype=jnp.int32))
   y_TxKxD = y_SxD[unsort_S].reshape(n_tokens, k, d)

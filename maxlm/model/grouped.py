@@ -1,0 +1,104 @@
+"""Grouped matmul: rows of lhs in consecutive groups, each times its group's matrix (MoE experts).
+
+`matmul(lhs_MxK, rhs_GxKxN, sizes_G)`; rows past sum(sizes_G) give 0. `default_impl` is the one
+place that picks the implementation for the backend:
+
+  megablox    TPU: the Pallas kernel jax ships (jax.experimental.pallas.ops.tpu.megablox);
+              `megablox_interpret` runs it on CPU for tests
+  ragged_dot  GPU: jax.lax.ragged_dot
+  tiled       CPU: our own. XLA:CPU lowers ragged_dot to one dense matmul per group over all
+              rows, G times the work (tools/bench_moe_layer.py measures both). Here each group
+              is padded to whole tiles of rows, so every tile belongs to one group, and a scan
+              multiplies tile by tile; a custom VJP does the same for the gradients (dW
+              accumulated per tile in place) - about one dense matmul plus G tiles of padding.
+"""
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("tiled", "ragged_dot", "megablox", "megablox_interpret")
+_MEGABLOX_TILE_M = 128
+_MAX_TILE = 128
+
+
+def default_impl():
+  backend = jax.default_backend()
+  return {"tpu": "megablox", "cpu": "tiled"}.get(backend, "ragged_dot")
+
+
+def matmul(lhs_MxK, rhs_GxKxN, sizes_G, impl=None):
+  """Output [M, N] in lhs's dtype; sizes_G int32 with sum <= M."""
+  impl = impl or default_impl()
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(lhs_MxK, rhs_GxKxN, sizes_G)
+  if impl == "tiled":
+    return _tiled(lhs_MxK, rhs_GxKxN, sizes_G)
+  if impl not in IMPLS:
+    raise ValueError(f"grouped matmul impl: expected one of {IMPLS}, got {impl!r}")
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # TPU kernels
+  m, k = lhs_MxK.shape
+  n = rhs_GxKxN.shape[2]
+  pad = -m % _MEGABLOX_TILE_M
+  # the kernel leaves rows past the groups unwritten, in both directions: select them away
+  valid_M = (jnp.arange(m) < jnp.sum(sizes_G))[:, None]
+  out = megablox.gmm(jnp.pad(jnp.where(valid_M, lhs_MxK, 0), ((0, pad), (0, 0))), rhs_GxKxN,
+                     sizes_G.astype(jnp.int32), preferred_element_type=lhs_MxK.dtype,
+                     tiling=(_MEGABLOX_TILE_M, min(128, k), min(128, n)),
+                     interpret=impl == "megablox_interpret")
+  return jnp.where(valid_M, out[:m], 0)
+
+
+def _tile_rows(m, g):
+  """Rows per tile: up to 128, smaller when groups are short (less padding)."""
+  per_group = max(1, -(-m // g))
+  return min(_MAX_TILE, max(8, 1 << (per_group - 1).bit_length()))
+
+
+def _tiled(lhs_MxK, rhs_GxKxN, sizes_G):
+  m, k = lhs_MxK.shape
+  g, _, n = rhs_GxKxN.shape
+  tile = _tile_rows(m, g)
+  n_tiles = -(-m // tile) + g  # each group wastes less than one tile
+  padded = n_tiles * tile
+  sizes_G = sizes_G.astype(jnp.int32)
+  end_G = jnp.cumsum(sizes_G)
+  tiles_G = (sizes_G + tile - 1) // tile
+  tile_end_G = jnp.cumsum(tiles_G)
+  row_M = jnp.arange(m, dtype=jnp.int32)
+  group_M = jnp.searchsorted(end_G, row_M, side="right")  # g for rows past every group
+  clipped_M = jnp.minimum(group_M, g - 1)
+  dest_M = jnp.where(group_M < g, (tile_end_G - tiles_G)[clipped_M] * tile + row_M
+                     - (end_G - sizes_G)[clipped_M], padded)
+  x_PxK = jnp.zeros((padded, k), lhs_MxK.dtype).at[dest_M].set(lhs_MxK, mode="drop")
+  group_N = jnp.minimum(jnp.searchsorted(tile_end_G, jnp.arange(n_tiles), side="right"), g - 1)
+  y_NxTxN = _tile_matmul(x_PxK.reshape(n_tiles, tile, k), rhs_GxKxN.astype(lhs_MxK.dtype),
+                         group_N)
+  y_PxN = y_NxTxN.reshape(padded, n)
+  return jnp.where((group_M < g)[:, None], y_PxN[jnp.minimum(dest_M, padded - 1)], 0)
+
+
+@jax.custom_vjp
+def _tile_matmul(x_NxTxK, rhs_GxKxN, group_N):
+  return _tile_matmul_fwd(x_NxTxK, rhs_GxKxN, group_N)[0]
+
+
+def _tile_matmul_fwd(x_NxTxK, rhs_GxKxN, group_N):
+  def body(_, tile):
+    x_TxK, g = tile
+    return None, x_TxK @ rhs_GxKxN[g]
+  return jax.lax.scan(body, None, (x_NxTxK, group_N))[1], (x_NxTxK, rhs_GxKxN, group_N)
+
+
+def _tile_matmul_bwd(saved, dy_NxTxN):
+  x_NxTxK, rhs_GxKxN, group_N = saved
+
+  def body(drhs_GxKxN, tile):
+    x_TxK, dy_TxN, g = tile
+    drhs_GxKxN = drhs_GxKxN.at[g].add(x_TxK.T @ dy_TxN)
+    return drhs_GxKxN, dy_TxN @ rhs_GxKxN[g].T
+
+  drhs, dx = jax.lax.scan(body, jnp.zeros_like(rhs_GxKxN), (x_NxTxK, dy_NxTxN, group_N))
+  return dx, drhs, None
+
+
+_tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
