@@ -1,8 +1,9 @@
 """The prepared device check for mixture-of-experts (issue 26), for when a GPU or TPU is lent:
 
   1. the routed experts, forward + backward: `experts_grouped` (grouped matmul over tokens sorted
-     by expert: `ragged_dot`, and on TPU also the megablox kernel) against `experts_loop` (every
-     expert run densely on every token, then masked: the reference), with their max difference;
+     by expert: the backend's impl from maxlm/model/grouped.py - megablox on TPU, ragged_dot on
+     GPU - and ragged_dot) against `experts_loop` (every expert run densely on every token, then
+     masked: the reference), with their max difference;
   2. expert-parallel dispatch: `experts_sharded` (maxlm/parallel/expert.py) with the experts split
      over all devices against `experts_grouped` on the same devices, and the padded all_to_all
      alone (its bytes and time). With one device the expert axis is 1 and part 2 times the
@@ -27,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxlm import config as config_lib
-from maxlm.model import moe
+from maxlm.model import grouped, moe
 from maxlm.parallel import expert, mesh as mesh_lib
 
 # Qwen3-30B-A3B-like expert shapes (d_model 2048, expert width 768, top-8), 64 experts to keep
@@ -79,7 +80,7 @@ def max_diff(a, b):
 
 def part_grouped(sizes, repeats):
   x, e, w, gu, dn = inputs(**sizes)
-  impls = ["ragged_dot"] + (["megablox"] if jax.default_backend() == "tpu" else [])
+  impls = list(dict.fromkeys([grouped.default_impl(), "ragged_dot"]))  # the backend's, ragged_dot
   out, results = {}, {}
   for impl in impls:
     fn = fwd_bwd(functools.partial(moe.experts_grouped, impl=impl), e)

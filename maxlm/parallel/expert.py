@@ -70,8 +70,10 @@ def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
   tokens, experts = P(axes, None), P(EXPERT_AXIS)
   local = functools.partial(_local, n=n, n_experts=n_experts, capacity=capacity, impl=impl,
                             token_axes=axes)
+  # check_vma=False: a grouped matmul's scan (maxlm/model/grouped.py) carries weight gradients
+  # that vary over the token axes too; the weights' gradients are still summed over them
   return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
-                       out_specs=tokens)(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF,
+                       out_specs=tokens, check_vma=False)(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF,
                                          down_ExFxD)
 
 
