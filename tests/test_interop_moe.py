@@ -274,3 +274,26 @@ def test_a_moved_bias_with_softmax_is_refused_by_export(trained, tmp_path):
     export.write_model(str(tmp_path), hf, parity.tok_lib.DEFAULT_SPECIAL, run)
   assert "model.moe.balance" in str(e.value) and "\n" not in str(e.value)
   assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_training_from_an_moe_export_starts_from_its_bias(trained, tmp_path):
+  """init.from an export places the parameters and the balancing bias (GLM-4-MoE's
+  e_score_correction_bias): with the bias held still (bias_rate 0), the first checkpoint's is
+  the exported run's, not a fresh zero one."""
+  from maxlm.interop import export
+  from maxlm.train import loop
+  tmp, cfg = trained["sigmoid_bias"]
+  out = tmp_path / "hf"
+  export.export(cfg.run_dir, str(out), log=lambda _: 0)
+  raw = config_lib.to_dict(cfg)
+  raw.update(run_dir=str(tmp_path / "sft"), init={"from": str(out)})
+  raw["train"] = {**raw["train"], "checkpoint_every": 1}
+  raw["model"]["moe"] = {**raw["model"]["moe"], "bias_rate": 0.0}
+  lines = []
+  loop.train(config_lib.from_dict(raw), stop_after=1, log=lines.append)
+  assert any(f"parameters from init.from {out} (hf)" in line for line in lines)
+  before = _flat(_checkpoint_state(cfg.run_dir, 3)["moe_bias"])
+  after = _flat(_checkpoint_state(str(tmp_path / "sft"), 1)["moe_bias"])
+  assert before.keys() == after.keys() and any(np.any(v != 0) for v in before.values())
+  for key, value in before.items():
+    assert np.array_equal(after[key], value), key
