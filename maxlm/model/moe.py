@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from maxlm.model import grouped
 
 
-
 def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
   """Top-k routing for T tokens; cfg is config_model.MoeConfig. mask_T (bool) marks real tokens.
 
