@@ -313,3 +313,20 @@ def test_beta_needs_a_reference(task):
                 train={"objective": "grpo", "grpo": {"group": 2, "prompts": 2}})
   with pytest.raises(MaxlmError, match="train.grpo.beta > 0 needs a reference model"):
     loop.train(cfg, log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_sft_then_grpo_in_one_schedule(task):
+  """stages.N.objective: an LM stage, then a GRPO stage, in one run."""
+  from maxlm.train import loop
+  stage = {"seq_len": 128, "batch": 8, "steps": 2, "attention": "blockwise", "block_q": 32,
+           "block_k": 32}
+  cfg = _config(task / "both.yaml", task / "both", task / "data",
+                init={"from": str(task / "sft")},
+                stages=[stage, {**stage, "objective": "grpo"}],
+                train={"lr": 0.001, "grpo": {"group": 2, "prompts": 4, "max_new_tokens": 16}})
+  loop.train(cfg, log=lambda *a: None)
+  rows = _rows(task / "both")
+  assert [("reward_mean" in r, r["stage"]) for r in rows] == [(False, 0), (False, 0),
+                                                               (True, 1), (True, 1)]
+  assert len(open(task / "both" / "rollouts.jsonl").readlines()) == 2 * 4 * 2

@@ -8,13 +8,13 @@
 #   tools/rl_demo.sh OUT_DIR [DEMO_DATA_DIR]
 #
 # DEMO_DATA_DIR: a prepared demo data dir (its tokenizer is reused); built in OUT_DIR if absent.
-# SFT_STEPS / GRPO_STEPS in the environment change the schedule (defaults 400 and 24).
+# SFT_STEPS / GRPO_STEPS in the environment change the schedule (defaults 500 and 48).
 set -euo pipefail
 out=${1:?usage: tools/rl_demo.sh OUT_DIR [DEMO_DATA_DIR]}
 demo=${2:-$out/demo_data}
 here=$(cd "$(dirname "$0")" && pwd)
-sft_steps=${SFT_STEPS:-400}
-grpo_steps=${GRPO_STEPS:-24}
+sft_steps=${SFT_STEPS:-500}
+grpo_steps=${GRPO_STEPS:-48}
 mkdir -p "$out"
 if [ ! -f "$demo/manifest.json" ]; then
   python -c "import sys; from maxlm.data import corpus, prepare; \
@@ -40,16 +40,16 @@ run_dir: $out/sft
 data: {dir: $out/data}
 model: $model
 stages: [{$stage, batch: 8, steps: $sft_steps}]
-train: {lr: 0.01, warmup_steps: 2, eval_every: 0, min_lr_ratio: 0.3}
+train: {lr: 0.01, warmup_steps: 2, eval_every: 0, min_lr_ratio: 1.0}
 init: {from: $out/pre}
 YAML
 cat > "$out/grpo.yaml" <<YAML
 run_dir: $out/grpo
 data: {dir: $out/data}
 model: $model
-stages: [{$stage, batch: 16, steps: $grpo_steps}]
-train: {lr: 0.002, warmup_steps: 0, eval_every: 8, objective: grpo,
-        grpo: {group: 8, prompts: 8, max_new_tokens: 16, beta: 0.04,
+stages: [{$stage, batch: 32, steps: $grpo_steps}]
+train: {lr: 0.001, warmup_steps: 0, eval_every: 16, objective: grpo,
+        grpo: {group: 8, prompts: 16, max_new_tokens: 16, beta: 0.04,
                eval_prompts: $out/task/heldout.jsonl, eval_samples: 4}}
 init: {from: $out/sft}
 YAML

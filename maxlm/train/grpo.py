@@ -127,7 +127,7 @@ def jit_update(model, opt, schedule, config):
 class Stage:
   """One GRPO stage of a run: its prompts, verifier, sampler settings and reference model.
   `step(state, s, k, g)` runs global step g (stage s's step k) and returns (state, metrics,
-  the rollout batch as numpy rows)."""
+  this host's rows of the rollout batch as numpy arrays, prompt tokens per source)."""
 
   def __init__(self, config, data, s, parts, update, ref_params, run_dir, log=print):
     self.config, self.cfg, self.data, self.parts = config, config.train.grpo, data, parts
