@@ -247,13 +247,19 @@ def _bias_to(fam):
 
 def constants(cfg, biased):
   """{hf suffix: (shape, value)} of each MoE layer's tensors maxlm holds no parameter for:
-  Qwen2-MoE's shared-expert gate (zero), GLM-4's correction bias (zero without a bias)."""
-  fam = family(cfg)
+  Qwen2-MoE's shared-expert gate (zero), GLM-4's correction bias (zero without a bias), and
+  without shared experts, the shared expert both classes build (0 wide)."""
+  fam, d = family(cfg), cfg.d_model
+  out = {}
+  shared = "mlp.shared_expert" if fam == QWEN2_MOE else "mlp.shared_experts"
+  if not cfg.moe.shared_experts:  # both classes always build one: written 0 wide
+    out = {f"{shared}.gate_proj.weight": ((0, d), 0.0), f"{shared}.up_proj.weight": ((0, d), 0.0),
+           f"{shared}.down_proj.weight": ((d, 0), 0.0)}
   if fam == QWEN2_MOE:
-    return {"mlp.shared_expert_gate.weight": ((1, cfg.d_model), 0.0)}
+    out["mlp.shared_expert_gate.weight"] = ((1, d), 0.0)
   if fam == GLM4_MOE and not biased:
-    return {BIAS_NAME: ((cfg.moe.experts,), 0.0)}
-  return {}
+    out[BIAS_NAME] = ((cfg.moe.experts,), 0.0)
+  return out
 
 
 def check_constant(name, array, value):
