@@ -1,7 +1,9 @@
 """`init.from: PATH`: a new run's parameters from another run or from a Hugging Face folder.
 
 PATH is a maxlm run dir (its newest intact checkpoint), `RUN_DIR@STEP` (that checkpoint), or a
-transformers Llama folder (config.json + safetensors, sharded or not). Only the parameters are
+transformers folder (config.json + safetensors, sharded or not) of the class this config's model
+exports to (families.py: Llama, or Ministral / Qwen2-MoE / GLM-4-MoE, whose layer plan must be
+this config's; GLM-4-MoE's correction bias becomes the train state's balancing bias). Only the parameters are
 taken: the optimizer starts fresh, the step counter at 0 and the data at the first batch of the
 schedule, which is what fine-tuning (SFT) from a pretrained run and extending a model through
 a length schedule want. Both kinds of source are read through the Llama tensor names
@@ -45,7 +47,7 @@ def _get(cfg, dotted):
 
 
 class HfFolder:
-  """The tensors of a transformers Llama folder, by name, read one at a time (memory-mapped)."""
+  """The tensors of a transformers folder, by name, read one at a time (memory-mapped)."""
 
   def __init__(self, path):
     self.path = path
