@@ -18,6 +18,7 @@ import sysconfig
 import textwrap
 
 import test_data_quality as planted
+from limits import HANG_S
 
 MIN_CHARS, MAX_CHARS = 1500, 60_000
 
@@ -39,7 +40,7 @@ def man_pages(n):
       if b".so " in roff[:200]:  # a link to another page
         continue
       text = subprocess.run([groff, "-Tutf8", "-man", "-P-cbou"], input=roff,
-                            capture_output=True, timeout=20).stdout.decode("utf-8", "replace")
+                            capture_output=True, timeout=HANG_S).stdout.decode("utf-8", "replace")
     except (OSError, EOFError, subprocess.TimeoutExpired):
       continue
     if MIN_CHARS <= len(text) <= MAX_CHARS and "\ufffd" not in text:

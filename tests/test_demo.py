@@ -11,6 +11,7 @@ import time
 import yaml
 
 from maxlm.train import metrics
+from limits import HANG_S
 
 WRAPPER = textwrap.dedent("""
     import subprocess, sys
@@ -44,7 +45,7 @@ def test_ctrl_c_leaves_the_run_resumable(tmp_path, demo_data):
     time.sleep(0.05)
   assert proc.poll() is None, proc.communicate()
   os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-  out, err = proc.communicate(timeout=300)
+  out, err = proc.communicate(timeout=HANG_S)
   assert proc.returncode == 2 and "run `maxlm demo` again to resume" in err, err
   steps = sorted(int(p) for p in os.listdir(os.path.join(run_dir, "checkpoints")) if p.isdigit())
   logged = len(metrics.read_jsonl(run_dir))

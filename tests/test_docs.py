@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+from limits import HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -48,7 +49,7 @@ def run_bash(script, cwd):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user
   env["PYTHONPATH"] = ROOT
   return subprocess.run(["bash", "-c", "set -eux\n" + script], cwd=cwd, env=env,
-                        capture_output=True, text=True, timeout=900)
+                        capture_output=True, text=True, timeout=HANG_S)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from limits import HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["launch/tpu.sh", "launch/gpu.sh", "launch/slurm.sbatch"]
@@ -18,7 +19,7 @@ SCRIPTS = ["launch/tpu.sh", "launch/gpu.sh", "launch/slurm.sbatch"]
 
 def script(path, *args, env=None, ok=True):
   proc = subprocess.run(["bash", os.path.join(ROOT, path), *args], capture_output=True,
-                        text=True, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=60)
+                        text=True, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=HANG_S)
   assert (proc.returncode == 0) == ok, (proc.stdout, proc.stderr)
   return [shlex.split(line) for line in proc.stdout.splitlines()], proc.stderr
 
@@ -169,7 +170,7 @@ def test_gpu_xla_flags_are_known_to_this_jaxlib():
   flags = next(a for a in lines[0] if a.startswith("XLA_FLAGS="))[len("XLA_FLAGS="):]
   env = {**os.environ, "XLA_FLAGS": flags}
   proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                        capture_output=True, text=True, timeout=120)
+                        capture_output=True, text=True, timeout=HANG_S)
   assert proc.returncode == 0, proc.stderr[-500:]  # XLA aborts on an unknown flag
 
 
@@ -215,7 +216,7 @@ def test_maxlm_variables_join_two_processes():
   procs = [subprocess.Popen([sys.executable, "-c", JOIN], env={**env, "MAXLM_PROCESS_ID": str(i)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
-  outs = [p.communicate(timeout=120) for p in procs]
+  outs = [p.communicate(timeout=HANG_S) for p in procs]
   assert [o[0].split() for o in outs] == [["2", "0"], ["2", "1"]], outs
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from maxlm import config as config_lib
 from maxlm.data import ledger, loader
+from limits import HANG_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_1m.yaml")
@@ -36,7 +37,7 @@ def test_run_1m_resumes_bitwise_and_reports_memory_at_a_short_last_stage(demo_da
       [sys.executable, os.path.join(ROOT, "tools", "run_1m.py"), "--json", "--data",
        str(demo_data), "--workdir", str(tmp_path), "--set", "stages.2.seq_len=8192",
        "stages.0.steps=1", "stages.0.seq_len=1024", "stages.1.seq_len=1024"],
-      capture_output=True, text=True, timeout=1200)
+      capture_output=True, text=True, timeout=HANG_S)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)
   assert out["seq_len"] == 8192 and out["resume"]["bitwise"], out["resume"]

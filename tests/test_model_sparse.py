@@ -7,6 +7,7 @@ import numpy as np
 
 from maxlm.model.attention import reference, sparse, sparse_blocks
 from test_model_attention import close, make_case, packed_segments
+from limits import HANG_S
 
 
 def indexer_inputs(b, length, seed=1, heads=2, dim=8):
@@ -255,7 +256,7 @@ def test_gpu_sparse_check_runs_its_commands_in_dry_run(tmp_path):
   root = pathlib.Path(__file__).resolve().parents[1]
   proc = subprocess.run(["bash", str(root / "tools" / "gpu_sparse_check.sh"), str(tmp_path)],
                         env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True,
-                        timeout=600)
+                        timeout=HANG_S)
   assert proc.returncode == 0, proc.stderr[-2000:]
   out = json.loads((tmp_path / "sparse_vs_blockwise.json").read_text())
   assert out["sparse_over_dense_512"] > 0 and out["sparse_peak_rss_gib_512"] > 0

@@ -18,6 +18,7 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.model import build
 from maxlm.sweep import fit, grid, report, runner
 import maxlm.sweep as sweep_lib
+from limits import HANG_S
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -169,7 +170,7 @@ def test_a_failing_point_stops_the_sweep_with_one_line(demo_data, tmp_path):
   cwd = os.path.dirname(os.path.dirname(__file__))
   cmd = [a if a != "stages.0.batch=8" else "stages.0.batch=4" for a in
          _sweep_cmd(demo_data, tmp_path / "bad")]  # 8 simulated devices cannot split 4 rows
-  proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=HANG_S)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert "1 point failed: c2e10_16x1" in proc.stderr and "not divisible" in proc.stderr
   assert not (tmp_path / "bad" / "runs" / "c2e10_24x1").exists()  # not started

@@ -15,6 +15,7 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.train import metrics, optimizer, plot, verify
 
 import datagen
+from limits import HANG_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -136,7 +137,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
   while proc.poll() is None and len(metrics.read_jsonl(str(run_dir))) < 3:
     time.sleep(0.05)
   proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=120)
+  out, err = proc.communicate(timeout=HANG_S)
   assert proc.returncode == 0, err
   assert "SIGTERM" in out
   steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())

@@ -15,6 +15,7 @@ from maxlm.train import console, metrics
 
 import datagen
 from test_train import ROOT, small_config
+from limits import HANG_S
 
 
 class FakeTerminal(io.StringIO):
@@ -100,7 +101,7 @@ def test_train_on_a_terminal_says_what_it_does(tmp_path, data_dir):
       break
     chunks.append(chunk)
   os.close(main)
-  assert proc.wait(timeout=600) == 0
+  assert proc.wait(timeout=HANG_S) == 0
   text = b"".join(chunks).decode().replace("\r\n", "\n")
   lines = text.split("\n")
   for phase in ("opening ", "looking for checkpoints in ", "initializing the parameters",

@@ -20,6 +20,7 @@ from maxlm.train import checkpoint, integrity, loop, metrics, verify
 
 import datagen
 from test_train import ROOT, data_dir, small_config  # noqa: F401 (data_dir: a fixture)
+from limits import HANG_S
 
 
 def quiet(*_):
@@ -242,7 +243,7 @@ def test_sigint_at_any_moment_of_start_up_ends_without_a_traceback(runs, tmp_pat
                             stderr=subprocess.PIPE, text=True)
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_S)
     if "Fatal Python error: init_import_site" not in err:
       break
   assert "Traceback" not in err, err
