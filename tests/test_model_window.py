@@ -65,8 +65,9 @@ def brute_force_tiles(seg, bq, bk, window):
 
 
 WINDOWS = [1, 5, 40, 1000]  # one position; under a block; not a block multiple; >= L
-IMPLS = [("blockwise", {"block_q": 32, "block_k": 16}), ("splash", {"block_q": 128}),
-         ("gpu", {"block_q": 32}), ("splash_causal", {"block_q": 128})]
+IMPLS = [pytest.param(impl, kw, id=impl) for impl, kw in [
+    ("blockwise", {"block_q": 32, "block_k": 16}), ("splash", {"block_q": 128}),
+    ("gpu", {"block_q": 32}), ("splash_causal", {"block_q": 128})]]
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -258,10 +259,11 @@ def test_the_decode_cache_equals_the_full_forward_with_a_window(window):
   want, _ = full_module.apply({"params": params}, x, pos, seg)
   decoder = attention_module(window, decode=True)
   cache = decoder.init(jax.random.key(1), x, pos, seg)["cache"]
+  step = jax.jit(lambda cache, *a: decoder.apply({"params": params, "cache": cache}, *a,
+                                                 mutable=["cache"]))
   outs = []
   for a, b in [(0, 9)] + [(t, t + 1) for t in range(9, n)]:
-    (y, _), state = decoder.apply({"params": params, "cache": cache}, x[:, a:b], pos[:, a:b],
-                                  seg[:, a:b], mutable=["cache"])
+    (y, _), state = step(cache, x[:, a:b], pos[:, a:b], seg[:, a:b])
     cache = state["cache"]
     outs.append(y)
   got = jnp.concatenate(outs, axis=1)
@@ -276,3 +278,43 @@ def test_sparse_modes_refuse_a_window():
   pos, seg = jnp.arange(16)[None], jnp.ones((1, 16), jnp.int32)
   with pytest.raises(MaxlmError, match="no sliding window"):
     module.init(jax.random.key(0), x, pos, seg)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_a_local_global_decoder_samples_as_it_trains(scan_layers):
+  """Layer 0 local (W=5), layer 1 global: the logits of a prompt then one token at a time through
+  the decode cache equal the full forward pass; the window changes them (W=5 against W=24 on 24
+  tokens), and W as long as the row is global attention."""
+  from maxlm.model import build
+
+  def logits_fn(window, decode=False):
+    cfg = config.from_dict({
+        "model": {"size": "tiny", "n_layers": 2, "vocab_size": 64, "dtype": "float32",
+                  "scan_layers": scan_layers, "max_logit": False,
+                  "attention": {"window": window, "global_every": 2}},
+        "stages": [{"seq_len": 24, "batch": 1, "steps": 1, "attention": "reference"}]})
+    model = build.model_for(cfg, 0)
+    return model.clone(decode=True) if decode else model
+
+  n = 24
+  tokens = jax.random.randint(jax.random.key(2), (1, n), 0, 64)
+  pos, seg = jnp.arange(n)[None], jnp.ones((1, n), jnp.int32)
+  model = logits_fn(5)
+  params = jax.jit(model.init)(jax.random.key(0), tokens, pos, seg)["params"]
+  full = lambda m: (lambda h, head, _: h @ head)(*jax.jit(m.apply)({"params": params}, tokens,
+                                                                    pos, seg))
+  want = full(model)
+  decoder = logits_fn(5, decode=True)
+  cache = jax.eval_shape(decoder.init, jax.random.key(0), tokens, pos, seg)["cache"]
+  cache = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
+  step = jax.jit(lambda cache, *a: decoder.apply({"params": params, "cache": cache}, *a,
+                                                 mutable=["cache"]))
+  outs = []
+  for a, b in [(0, 7)] + [(t, t + 1) for t in range(7, n)]:
+    (h, head, _), state = step(cache, tokens[:, a:b], pos[:, a:b], seg[:, a:b])
+    cache = state["cache"]
+    outs.append(h @ head)
+  close(jnp.concatenate(outs, axis=1), want)
+  assert np.abs(full(logits_fn(n)) - want).max() > 1e-3
+  if not scan_layers:  # layer_0..3 either way; scanned, an all-global model stacks its layers
+    close(full(logits_fn(n)), full(logits_fn(0)))
