@@ -318,3 +318,21 @@ def test_a_local_global_decoder_samples_as_it_trains(scan_layers):
   assert np.abs(full(logits_fn(n)) - want).max() > 1e-3
   if not scan_layers:  # layer_0..3 either way; scanned, an all-global model stacks its layers
     close(full(logits_fn(n)), full(logits_fn(0)))
+
+
+def test_the_local_attention_bench_runs_small(capsys):
+  """tools/bench_local_attention.py at a tiny length: both cases run and count their tiles."""
+  import json
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+  try:
+    import bench_local_attention
+  finally:
+    sys.path.pop(0)
+  assert bench_local_attention.main(["--json", "--lengths", "1024", "--window", "128",
+                                     "--block", "128"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["cases"]["local_1024"]["tiles"] == 1 + 2 * 7  # 8 blocks, one back each
+  assert out["cases"]["global_1024"]["tiles"] == 8 * 9 // 2
+  assert out["local_over_global"]["1024"]["tiles"] == round(15 / 36, 4)
