@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -289,3 +290,17 @@ def test_decoder_places_moe_layers_by_the_plan(first_dense, every, moe_layers):
   load_LxE = np.concatenate(loads)  # one row per MoE layer
   np.testing.assert_array_equal(load_LxE.sum(-1), [int(jnp.sum(seg > 0)) * 2] * len(moe_layers))
   assert sum(b.size for b in jax.tree_util.tree_leaves(bias)) == 4 * len(moe_layers)
+
+
+def test_layer_computes_in_the_model_dtype_with_float32_params():
+  cfg32 = model_config(shared_experts=1)
+  cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
+  x_BxLxD = inputs().reshape(B, L, D)
+  variables = moe.MoeMlp(cfg16).init(jax.random.key(3), x_BxLxD, segments())
+  params = nn.meta.unbox(variables["params"])
+  assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+  y16, _ = apply_layer(cfg16, params, x_BxLxD, segments())
+  y32, _ = apply_layer(cfg32, params, x_BxLxD, segments())
+  assert y16.dtype == jnp.bfloat16 and y32.dtype == jnp.float32
+  scale = float(jnp.max(jnp.abs(y32)))
+  np.testing.assert_allclose(y16.astype(jnp.float32), y32, atol=0.05 * scale)
