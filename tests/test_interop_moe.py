@@ -298,3 +298,20 @@ def test_training_from_an_moe_export_starts_from_its_bias(trained, tmp_path):
   assert before.keys() == after.keys() and any(np.any(v != 0) for v in before.values())
   for key, value in before.items():
     assert np.array_equal(after[key], value), key
+
+
+def test_bfloat16_export_keeps_the_router_and_its_bias_float32(trained, tmp_path):
+  import ml_dtypes
+  from maxlm.interop import export
+  _, cfg = trained["sigmoid_bias"]
+  export.export(cfg.run_dir, str(tmp_path / "bf16"), dtype="bfloat16", log=lambda _: 0)
+  weights = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+  kinds = {n: w.dtype for n, w in weights.items()}
+  assert kinds["model.layers.1.mlp.gate.weight"] == np.float32
+  assert kinds["model.layers.1.mlp.gate.e_score_correction_bias"] == np.float32
+  assert kinds["model.layers.1.mlp.experts.0.down_proj.weight"] == ml_dtypes.bfloat16
+  assert kinds["model.layers.0.mlp.down_proj.weight"] == ml_dtypes.bfloat16
+  from maxlm.model import layers
+  layer_1 = layers.per_layer(_checkpoint_state(cfg.run_dir, 3)["params"], cfg.model)[1]
+  assert np.array_equal(weights["model.layers.1.mlp.gate.weight"],
+                        layer_1["moe"]["router"]["kernel"].T)

@@ -220,8 +220,8 @@ def _write_weights(folder, source, dtype, shard_bytes):
 
 
 def _dtype(name, dtype):
-  """The correction bias stays float32 (transformers keeps it so; its sums decide routing)."""
-  return np.float32 if name.endswith(families.BIAS_NAME) else dtype
+  """The router of an MoE layer and its bias stay float32 (families.FLOAT32_SUFFIXES)."""
+  return np.float32 if name.endswith(families.FLOAT32_SUFFIXES) else dtype
 
 
 def _check_expressible(source):

@@ -44,7 +44,10 @@ from maxlm.model import layers as layers_lib
 LLAMA, MINISTRAL, QWEN2_MOE, GLM4_MOE = "llama", "ministral", "qwen2_moe", "glm4_moe"
 CLASSES = {LLAMA: "LlamaForCausalLM", MINISTRAL: "MinistralForCausalLM",
            QWEN2_MOE: "Qwen2MoeForCausalLM", GLM4_MOE: "Glm4MoeForCausalLM"}
-BIAS_NAME = "mlp.gate.e_score_correction_bias"  # kept float32 whatever the export dtype
+BIAS_NAME = "mlp.gate.e_score_correction_bias"
+# the router and its bias stay float32 whatever the export dtype: maxlm routes in float32, and
+# GLM-4-MoE keeps both in float32 (_keep_in_fp32_modules_strict)
+FLOAT32_SUFFIXES = (BIAS_NAME, "mlp.gate.weight")
 
 
 def family(cfg):
