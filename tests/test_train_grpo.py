@@ -307,6 +307,7 @@ def test_grpo_stage_runs_logs_rollouts_and_resumes_bitwise(task):
       task / "grpo" / "rollouts.jsonl").read()
 
 
+@pytest.mark.slow
 def test_beta_needs_a_reference(task):
   from maxlm.train import loop
   cfg = _config(task / "noref.yaml", task / "noref", task / "data",
