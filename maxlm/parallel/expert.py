@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.model import moe
 
 EXPERT_AXIS = "expert"
 
@@ -72,15 +73,14 @@ def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
                             token_axes=axes)
   # check_vma=False: a grouped matmul's scan (maxlm/model/grouped.py) carries weight gradients
   # that vary over the token axes too; the weights' gradients are still summed over them
-  return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
-                       out_specs=tokens, check_vma=False)(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF,
-                                         down_ExFxD)
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
+                          out_specs=tokens, check_vma=False)
+  return sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD)
 
 
 def _local(x_TxD, expert_TxK, weight_TxK, gate_up_GxDx2xF, down_GxFxD, *, n, n_experts,
            capacity, impl, token_axes):
   """One device: its T/ways tokens and its G = E/n experts."""
-  from maxlm.model import moe  # pylint: disable=import-outside-toplevel (moe imports this module)
   n_tokens, k = expert_TxK.shape
   n_slots, g, d = n_tokens * k, gate_up_GxDx2xF.shape[0], x_TxD.shape[1]
   expert_S = expert_TxK.reshape(-1)
