@@ -87,15 +87,22 @@ def test_rows_stop_at_eos_and_are_padding_after_it(tiny):
   assert all(r[-1] == eos for r, n in zip(flat, lengths) if n < 16)
 
 
-def test_restrict_keeps_the_top_k_and_the_top_p_nucleus():
-  logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]]))
-  kept = lambda **kw: np.isfinite(np.asarray(sample.restrict(logits, **kw)))
-  np.testing.assert_array_equal(kept(top_k=2)[0], [False, True, False, True])
-  np.testing.assert_array_equal(kept(top_p=0.5)[0], [False, True, False, True])
-  np.testing.assert_array_equal(kept(top_p=0.75)[0], [False, True, True, True])
-  np.testing.assert_array_equal(kept(top_p=0.01)[0], [False, True, False, False])
-  assert kept(top_p=0.3)[1].all()  # ties at the nucleus' edge are kept
-  np.testing.assert_array_equal(kept(top_k=3, top_p=0.5)[0], [False, True, False, True])
+def test_choose_draws_from_the_top_k_and_top_p_nucleus_in_proportion():
+  """4000 draws (fixed keys) of one distribution: the support is exactly the kept tokens, and
+  each is drawn about as often as its renormalised probability."""
+  probs = np.array([0.1, 0.4, 0.2, 0.3])
+  logits = jnp.log(jnp.tile(jnp.asarray(probs, jnp.float32), (4000, 1)))
+  keys = jax.random.split(jax.random.key(0), 4000)
+  for kw, kept in (({}, [0, 1, 2, 3]), ({"top_k": 2}, [1, 3]), ({"top_p": 0.5}, [1, 3]),
+                   ({"top_p": 0.75}, [1, 2, 3]), ({"top_p": 0.01}, [1]),
+                   ({"top_k": 3, "top_p": 0.5}, [1, 3])):
+    drawn = np.bincount(np.asarray(sample.choose(logits, keys, 1.0, **kw)), minlength=4)
+    assert np.flatnonzero(drawn).tolist() == kept, kw
+    expected = np.zeros(4)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    assert np.abs(drawn / 4000 - expected).max() < 0.03, (kw, drawn)
+  hot = np.asarray(sample.choose(logits * 4, keys, 4.0))  # temperature divides the logits
+  np.testing.assert_array_equal(hot, np.asarray(sample.choose(logits, keys, 1.0)))
 
 
 def test_sampled_tokens_stay_in_the_support_and_logprobs_are_unscaled(tiny):

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from maxlm import MaxlmError
 from maxlm.model import layers as layers_lib, rope as rope_lib
-from maxlm.model.attention import attention, reference, sparse as sparse_lib, sparse_context
-from maxlm.model.attention import sparse_blocks
+from maxlm.model.attention import attention, sparse as sparse_lib, sparse_context
+from maxlm.model.attention import decode as decode_attention, sparse_blocks
 from maxlm.model.indexer import Indexer
 
 _REMAT = {
@@ -143,23 +143,26 @@ class Attention(nn.Module):
     written at the cache index, one slot index shared by every row, and each query (slots
     index..index+L-1) attends to the cached slots up to itself that hold its own segment id.
     A slot of segment 0 (a shorter prompt's left padding, or not yet written) is never seen.
-    The cache's length is the length of the input it was initialised with."""
+    The cache's length is the length of the input it was initialised with; it is laid out
+    [B, K, slots, D] for attention.decode."""
     b, n, kh, d = k_BxLxKxD.shape
     initialised = self.has_variable("cache", "cached_key")
-    key = self.variable("cache", "cached_key", jnp.zeros, (b, n, kh, d), k_BxLxKxD.dtype)
-    value = self.variable("cache", "cached_value", jnp.zeros, (b, n, kh, d), v_BxLxKxD.dtype)
+    key = self.variable("cache", "cached_key", jnp.zeros, (b, kh, n, d), k_BxLxKxD.dtype)
+    value = self.variable("cache", "cached_value", jnp.zeros, (b, kh, n, d), v_BxLxKxD.dtype)
     segment = self.variable("cache", "cached_segment", jnp.zeros, (b, n), jnp.int32)
     index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
     if not initialised:
       return jnp.zeros_like(q_BxLxHxD), jnp.float32(0)
     i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxD, (0, i, 0, 0))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxD, (0, i, 0, 0))
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BxLxKxD.transpose(0, 2, 1, 3),
+                                             (0, 0, i, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BxLxKxD.transpose(0, 2, 1, 3),
+                                               (0, 0, i, 0))
     segment.value = jax.lax.dynamic_update_slice(segment.value,
                                                  segment_ids_BxL.astype(jnp.int32), (0, i))
     index.value = i + n
-    return reference.attention(q_BxLxHxD, key.value, value.value, segment_ids_BxL,
-                               segment.value, q_offset=i, window=self.window)
+    return decode_attention.attention(q_BxLxHxD, key.value, value.value, segment_ids_BxL,
+                                      segment.value, q_offset=i, window=self.window)
 
 
 class Mlp(nn.Module):
