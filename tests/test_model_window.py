@@ -96,17 +96,23 @@ def test_a_window_changes_attention_and_one_as_long_as_the_row_does_not():
   close(one, want)
 
 
+def packed(docs, length):
+  """[1, length]: documents of the given lengths, then padding (one shape per test, so the
+  eager jnp ops compile once)."""
+  seg = np.zeros(length, np.int32)
+  seg[:sum(docs)] = np.repeat(np.arange(1, len(docs) + 1), docs)
+  return jnp.asarray(seg[None])
+
+
 @settings(max_examples=60, deadline=None)
-@given(docs=st.lists(st.integers(1, 30), min_size=1, max_size=6), pad=st.integers(0, 9),
-       window=st.integers(1, 40), offset=st.integers(0, 12))
-def test_the_mask_rule(docs, pad, window, offset):
+@given(docs=st.lists(st.integers(1, 30), min_size=1, max_size=6), window=st.integers(1, 40),
+       offset=st.integers(0, 12))
+def test_the_mask_rule(docs, window, offset):
   """reference.visible against the rule in plain Python, and against transformers'
   sliding-window causal mask combined with its packed-sequence mask."""
-  seg = np.concatenate([np.full(n, s + 1) for s, n in enumerate(docs)] + [np.zeros(pad)])
-  seg = jnp.asarray(seg[None], jnp.int32)
+  seg = packed(docs, 6 * 30 + 4)
   n = seg.shape[1]
-  q_seg = seg[:, offset:] if offset < n else seg[:, :1]
-  q_offset = offset if offset < n else 0
+  q_seg, q_offset = seg[:, offset:], offset
   got = np.asarray(reference.visible(q_seg, seg, q_offset, window))[0]
   s = np.asarray(seg[0])
   want = np.array([[s[q_offset + i] == s[j] != 0 and q_offset + i - window < j <= q_offset + i
@@ -127,9 +133,7 @@ def test_the_mask_rule(docs, pad, window, offset):
 def test_block_plans_are_exactly_the_tiles_inside_the_window(docs, window, bq, bk):
   """On packed rows every plan (blockwise's loop bounds, splash's block mask, the Triton
   kernel's forward/dQ and dK/dV ranges) is exactly the tiles holding a visible pair."""
-  seg = np.concatenate([np.full(n, s + 1) for s, n in enumerate(docs)] + [np.zeros(5)])
-  seg = jnp.asarray(seg[None], jnp.int32)
-  padded = jnp.pad(seg, [(0, 0), (0, -seg.shape[1] % np.lcm(bq, bk))])
+  seg = padded = packed(docs, 8 * 90 + 16)  # a multiple of every tile
   want = brute_force_tiles(seg, bq, bk, window)
   assert blockwise.tile_count(padded, padded, block_q=bq, block_k=bk, window=window) == want
   if bq == bk:
