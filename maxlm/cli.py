@@ -163,7 +163,7 @@ def _parser():
                  help="then among the likeliest whose probability mass reaches p (1: all)")
   p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
-  p = sub.add_parser("export", help="a checkpoint as a Hugging Face Llama folder "
+  p = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (Llama, Ministral, Qwen2-MoE or GLM-4-MoE) "
                      "(transformers loads it without maxlm; docs/interop.md)")
   p.add_argument("run_dir", help="a run's folder (its config.yaml and checkpoints)")
   p.add_argument("--out", required=True, help="the folder to write (local)")

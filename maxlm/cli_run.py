@@ -13,13 +13,14 @@ def cmd_eval(args):
   from maxlm.eval import bpb, run
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
-  config, data, s, mesh, model, params, step = run.open_run(args.run_dir)
+  config, data, s, mesh, model, params, step, collections = run.open_run(args.run_dir)
   stage = config.stages[s]
   nll_fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
 
   def nll(batch):
     with mesh:
-      return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules)))
+      return jax.device_get(nll_fn(params, mesh_lib.place_batch(batch, mesh, config.rules),
+                                   collections.get("moe_bias")))
 
   split = store.VAL if args.split == "val" else store.TRAIN
   if args.tokens is not None and args.tokens < 1:
@@ -78,14 +79,15 @@ def cmd_generate(args):
   else:
     from maxlm.eval import verify
     prompts, dropped = verify.read_prompts(args.prompts)
-  config, data, s, mesh, model, params, _ = run.open_run(args.run_dir)
+  config, data, s, mesh, model, params, _, collections = run.open_run(args.run_dir)
   generate.check_settings(args.temperature, args.top_k, args.seed, args.max_tokens,
                           model.cfg.vocab_size)
   positions, longest = generate.context(config, s)
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   if args.prompts:
     prompts = _fitting(args, data, sp, prompts, dropped, positions)
-    result = verify.evaluate(_sampler(args, data, sp, mesh, config, model, params, prompts),
+    result = verify.evaluate(_sampler(args, data, sp, mesh, config, model, params, prompts,
+                                      collections),
                              prompts, args.verify, args.samples)
     print(json.dumps({**result, "dropped": dropped}) if args.json else
           verify.format_result(result))
@@ -95,7 +97,8 @@ def cmd_generate(args):
   if problem:
     raise MaxlmError(f"--prompt: {problem} (stages.{longest}.seq_len)")
   from maxlm.eval import sample
-  [[out]] = sample.sample_batch(model, params, [ids], **_settings(args, data, mesh, config))
+  [[out]] = sample.sample_batch(model, params, [ids], collections=collections,
+                                **_settings(args, data, mesh, config))
   print(args.prompt + sp.decode(out))
 
 
@@ -145,7 +148,7 @@ def _settings(args, data, mesh, config, n_samples=1):
 ROWS_PER_CALL = 256  # prompts x samples sampled together by one call of the batched sampler
 
 
-def _sampler(args, data, sp, mesh, config, model, params, prompts):
+def _sampler(args, data, sp, mesh, config, model, params, prompts, collections):
   """sample(prompt, i): the i-th answer to a prompt, cut at EOS or <|end|>. Every answer is
   sampled up front by the batched sampler, prompts of similar length together; a prompt's
   samples depend only on --seed and its place in the file (sample.py's keys)."""
@@ -160,6 +163,7 @@ def _sampler(args, data, sp, mesh, config, model, params, prompts):
   for at in range(0, len(order), per_call):
     chunk = order[at:at + per_call]
     outs = sample_lib.sample_batch(model, params, [ids[i] for i in chunk], prompt_indices=chunk,
+                                   collections=collections,
                                    **_settings(args, data, mesh, config, args.samples))
     for i, rows in zip(chunk, outs):
       rows = [out[:out.index(end)] if end in out else out for out in rows]

@@ -355,7 +355,16 @@ class Config:
     self.model.check("model")
     self.train.check("train")
     self.init.check("init")
-    if "dpo" in map(self.objective_for, range(len(self.stages))) and not self.init.from_:
+    sparse = [i for i, st in enumerate(self.stages) if st.sparse.mode != "dense"]
+    if self.model.attention.window and sparse:
+      raise ConfigError(f"stages.{sparse[0]}.sparse.mode={self.stages[sparse[0]].sparse.mode} "
+                        "with model.attention.window: sparse attention has no local layers; "
+                        "use one or the other")
+    objectives = set(map(self.objective_for, range(len(self.stages))))
+    if objectives & {"dpo", "grpo"} and self.model.moe.experts and self.model.moe.balance == "bias":
+      raise ConfigError("model.moe.balance=bias with a dpo/grpo stage: their forward passes route "
+                        "without the balancing bias; post-train with balance=aux_loss or none")
+    if "dpo" in objectives and not self.init.from_:
       raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
                         "and are the frozen reference model (docs/pairs.md)")
     for i, stage in enumerate(self.stages):

@@ -20,7 +20,7 @@ class MoeConfig:
   d_ff: int = 0  # >= 0; width of each expert's MLP (0: model.d_ff)
   every: int = 1  # >= 1; after the first `first_dense` layers, every n-th layer is MoE
   first_dense: int = 0  # >= 0, < model.n_layers; the first k layers keep a dense MLP
-  score: str = "softmax"  # softmax | sigmoid: router scores (sigmoid as DeepSeek-V3)
+  score: str = "sigmoid"  # sigmoid (DeepSeek-V3, with balance bias) | softmax (Qwen-MoE, Mixtral)
   norm_topk: bool = True  # the k chosen experts' weights are renormalized to sum to 1
   # bias (DeepSeek-V3's auxiliary-loss-free per-expert bias, updated from each step's load
   # outside the gradient) | aux_loss (only the load-balancing loss below) | none

@@ -249,3 +249,19 @@ def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
   with pytest.raises(typed_yaml.ConfigError, match=r"stages.0.seq_len: expected an integer in "
                                                    r"\[8, 16777216\]"):
     config_lib.load(str(bom), ["stages.0.seq_len=99999999999999999999999"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.attention.window=64", "stages.0.sparse.mode=indexer_warmup"],
+     "stages.0.sparse.mode=indexer_warmup with model.attention.window"),
+    (["model.moe.experts=4", "model.moe.balance=bias", "train.objective=grpo",
+      "init.from=runs/x"], "model.moe.balance=bias with a dpo/grpo stage"),
+    (["model.moe.experts=4", "model.moe.balance=bias", "stages.0.objective=dpo",
+      "init.from=runs/x"], "model.moe.balance=bias with a dpo/grpo stage"),
+])
+def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, message):
+  with pytest.raises(config.ConfigError) as e:
+    config.load("configs/demo.yaml", overrides)
+  assert message in str(e.value) and "\n" not in str(e.value)
+  config.load("configs/demo.yaml", [o for o in overrides if "objective" not in o
+                                    and "sparse" not in o])

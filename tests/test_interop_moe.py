@@ -19,11 +19,12 @@ MOE = {"experts": 4, "top_k": 2, "shared_experts": 1, "d_ff": 16, "first_dense":
 CASES = {  # name: (model keys, the class's model_type)
     "window": ({"attention": {"window": 6, "global_every": 3}}, "ministral"),
     "window_all_local": ({"attention": {"window": 5}}, "ministral"),
-    "moe_softmax_tied_no_shared": ({"moe": {**MOE, "shared_experts": 0, "balance": "aux_loss"},
+    "moe_softmax_tied_no_shared": ({"moe": {**MOE, "shared_experts": 0, "score": "softmax",
+                                            "balance": "aux_loss"},
                                     "tied_embeddings": True}, "qwen2_moe"),
     # the moe_demo shape: 8 experts, top-2, one shared, MoE every 2nd layer, local/global
     "moe_window": ({"moe": {"experts": 8, "top_k": 2, "shared_experts": 1, "d_ff": 16,
-                            "every": 2, "balance": "none"},
+                            "every": 2, "score": "softmax", "balance": "none"},
                     "attention": {"window": 6, "global_every": 3}}, "qwen2_moe"),
     "moe_sigmoid_bias": ({"moe": {**MOE, "shared_experts": 2, "score": "sigmoid",
                                   "balance": "bias", "norm_topk": False}}, "glm4_moe"),
@@ -121,7 +122,8 @@ def _load(config, folder, params, bias, **model):
 
 def test_moe_export_refusals_and_import_checks(tmp_path):
   # a softmax model with a nonzero selection bias: Qwen2-MoE would route otherwise
-  config, m, params, _ = _random("moe_softmax_tied_no_shared", moe={**MOE, "balance": "bias"})
+  config, m, params, _ = _random("moe_softmax_tied_no_shared",
+                                 moe={**MOE, "score": "softmax", "balance": "bias"})
   with pytest.raises(hf_config.CannotExpress) as e:
     parity.random_folder(tmp_path / "biased", config, params, parity.random_bias(m))
   assert "model.moe.balance" in str(e.value) and "\n" not in str(e.value)
@@ -206,7 +208,8 @@ TRAINED = {  # name: model keys of a run trained 3 steps
     # GLM-4-MoE: sigmoid, the balancing bias moves; a dense layer then a scanned MoE group
     "sigmoid_bias": {"moe": {**MOE, "score": "sigmoid", "balance": "bias", "bias_rate": 0.01}},
     # Qwen2-MoE with local/global layers in groups; a bias that never moves exports
-    "softmax_window": {"moe": {**MOE, "first_dense": 0, "every": 2, "balance": "bias",
+    "softmax_window": {"moe": {**MOE, "first_dense": 0, "every": 2, "score": "softmax",
+                               "balance": "bias",
                                "bias_rate": 0.0},
                        "attention": {"window": 8, "global_every": 2}},
 }

@@ -167,7 +167,7 @@ def score_checkpoint(run_dir, rows_before):
   from maxlm.eval import run
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
-  config, data, s, mesh, model, params, step = run.open_run(run_dir)
+  config, data, s, mesh, model, params, step, _ = run.open_run(run_dir)
   stage = config.stages[s]
   fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
 

@@ -96,7 +96,7 @@ def trained_parity(work, data):
   loop.train(config, log=lambda *_: None)
   folder = os.path.join(work, "tiny-hf")
   export.export(config.run_dir, folder, log=lambda *_: None)
-  _, _, _, mesh, model, params, _ = run.open_run(config.run_dir)
+  _, _, _, mesh, model, params, _, _ = run.open_run(config.run_dir)
   sp = tok_lib.load(open(os.path.join(data, "tokenizer.model"), "rb").read())
   texts = ["def parse(self, text):\n    return text.split()\n",
            "The documentation describes how the module is used in practice."]

@@ -5,7 +5,9 @@ from maxlm.train import checkpoint, loop, resume
 
 
 def open_run(run_dir, overrides=()):
-  """(config, data, stage index, mesh, model, params) at the run's latest checkpoint."""
+  """(config, data, stage index, mesh, model, params, step, collections) at the run's latest
+  checkpoint; `collections` holds the model's other variables ({"moe_bias": ...} for an MoE run
+  balanced by bias, so routing matches training; else {})."""
   path = io.join(run_dir, "config.yaml")
   if not io.exists(path):
     raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
@@ -20,7 +22,8 @@ def open_run(run_dir, overrides=()):
         raise MaxlmError(str(e)) from None
   s = meta["stage"]
   parts = loop.stage_parts(config, s, vocab)
-  return config, data, s, parts.mesh, parts.model, state["params"], step
+  collections = {"moe_bias": state["moe_bias"]} if "moe_bias" in state else {}
+  return config, data, s, parts.mesh, parts.model, state["params"], step, collections
 
 
 def _latest(run_dir, config, data, vocab):
