@@ -11,6 +11,7 @@ import difflib
 
 from maxlm.config_checks import MAX_BATCH, MAX_MODEL_DIM, MAX_SEQ_LEN
 from maxlm.config_checks import above as _above, at_least as _at_least, in_range as _in_range
+from maxlm import config_rules
 from maxlm.config_grpo import GrpoConfig
 from maxlm.config_model import AttentionConfig, MoeConfig
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml, resolve_path
@@ -59,7 +60,7 @@ class DataConfig:
       raise ConfigError(f"{key}.block_rows: must be a multiple of {key}.shuffle_rows "
                         f"({self.shuffle_rows}), got {self.block_rows}")
     self.fim.check(f"{key}.fim")
-    _check_skip_steps(f"{key}.skip_steps", self.skip_steps)
+    config_rules.check_skip_steps(f"{key}.skip_steps", self.skip_steps)
 
 
 MODEL_SIZES = {  # named sizes; explicit model.* keys override them
@@ -355,25 +356,14 @@ class Config:
     self.model.check("model")
     self.train.check("train")
     self.init.check("init")
-    sparse = [i for i, st in enumerate(self.stages) if st.sparse.mode != "dense"]
-    if self.model.attention.window and sparse:
-      raise ConfigError(f"stages.{sparse[0]}.sparse.mode={self.stages[sparse[0]].sparse.mode} "
-                        "with model.attention.window: sparse attention has no local layers; "
-                        "use one or the other")
-    objectives = set(map(self.objective_for, range(len(self.stages))))
-    if objectives & {"dpo", "grpo"} and self.model.moe.experts and self.model.moe.balance == "bias":
-      raise ConfigError("model.moe.balance=bias with a dpo/grpo stage: their forward passes route "
-                        "without the balancing bias; post-train with balance=aux_loss or none")
-    if "dpo" in objectives and not self.init.from_:
-      raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
-                        "and are the frozen reference model (docs/pairs.md)")
+    config_rules.check_objectives_and_families(self)
     for i, stage in enumerate(self.stages):
       if stage.batch % self.train.grad_accum:
         raise ConfigError(f"stages.{i}.batch={stage.batch} is not divisible by "
                           f"train.grad_accum={self.train.grad_accum}")
     for i, stage in enumerate(self.stages):
       stage.check(f"stages.{i}")
-    _check_sparse_ladder(self.stages)
+    config_rules.check_sparse_ladder(self.stages)
 
   def mix_for(self, stage_index):
     return self.stages[stage_index].mix or self.data.mix
@@ -426,37 +416,6 @@ def to_dict(config):
   out = plain(dataclasses.asdict(config))
   out["init"] = {yaml_name(k): v for k, v in out["init"].items()}
   return out
-
-
-def _check_skip_steps(key, ranges):
-  for i, r in enumerate(ranges):
-    if len(r) != 2 or not 0 <= r[0] < r[1]:
-      raise ConfigError(f"{key}.{i}: expected [a, b] with 0 <= a < b (global steps a..b-1 "
-                        f"are skipped), got {list(r)}")
-  ordered = sorted(ranges)
-  for (a0, b0), (a1, b1) in zip(ordered, ordered[1:]):
-    if a1 < b0:
-      raise ConfigError(f"{key}: ranges [{a0}, {b0}] and [{a1}, {b1}] overlap; merge them")
-
-
-def _check_sparse_ladder(stages):
-  """Indexer parameters appear at the first non-dense stage and never go away or change."""
-  first = None
-  for i, stage in enumerate(stages):
-    sp = stage.sparse
-    if sp.mode == "dense":
-      if first is not None:
-        raise ConfigError(f"stages.{i}.sparse.mode: dense after stage {first}'s "
-                          f"{stages[first].sparse.mode}; once the indexer exists every later "
-                          "stage is indexer_warmup or sparse")
-      continue
-    if first is None:
-      first = i
-    shape = (sp.indexer_heads, sp.indexer_dim)
-    there = (stages[first].sparse.indexer_heads, stages[first].sparse.indexer_dim)
-    if shape != there:
-      raise ConfigError(f"stages.{i}.sparse: indexer_heads/indexer_dim {shape} differ from "
-                        f"stage {first}'s {there}; the indexer keeps one shape")
 
 
 def _check_mix(key, mix):

@@ -5,6 +5,8 @@ routing metrics, FLOPs and parameter counts of active vs all experts, and a bitw
 import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +15,12 @@ import pytest
 import yaml
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.eval import run
 from maxlm.model import build, layers
 from maxlm.parallel import memory, mesh as mesh_lib
 from maxlm.sweep import grid
 from maxlm.train import console, moe_state, optimizer, resume, step as step_lib, verify
+from maxlm.train import metrics as metrics_lib
 
 from test_train import data_dir, small_config  # noqa: F401 (data_dir: a fixture)
 
@@ -204,3 +208,21 @@ def test_moe_run_resumes_bitwise_after_sigkills(tmp_path, data_dir):
   assert verify.verify(str(path), [*MOE, "model.moe.bias_rate=0.01"], kills=1,
                        workdir=str(tmp_path / "verify"), log=lines.append)
   assert not any("DIFFERENT" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_maxlm_eval_of_a_biased_moe_run_routes_with_the_runs_bias(tmp_path, data_dir):
+  """`maxlm eval` scores the checkpoint as training's own eval did: with the balancing bias
+  (without it the routing, and so the loss, would differ)."""
+  path = small_config(tmp_path, data_dir, eval_every=0)
+  run_dir = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "train", str(path), *MOE,
+                         "model.moe.bias_rate=0.05"], capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  *_, collections = run.open_run(str(run_dir))
+  assert max(float(np.abs(b).max()) for b in jax.tree_util.tree_leaves(collections)) > 0
+  trained = [r for r in metrics_lib.read_jsonl(str(run_dir)) if "val_loss" in r][-1]
+  proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "eval", str(run_dir), "--json"],
+                        capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(proc.stdout)["all"]["loss"] == pytest.approx(trained["val_loss"], rel=1e-6)
