@@ -186,7 +186,7 @@ class TrainConfig:
   grad_accum: int = 1  # >= 1, divides each stage's batch; micro-batches per step
   checkpoint_every: int = 50  # >= 1 steps; stage boundaries are always saved
   keep: int = 3  # >= 1; checkpoints kept
-  eval_every: int = 50  # >= 0; steps between held-out evaluations (0: only at the end)
+  eval_every: int = 50  # >= 0; steps between held-out evaluations (0: none; see maxlm eval)
   eval_tokens: int = 32768  # >= 1; held-out tokens per source, the same text at every evaluation
   eval_rows: int = 0  # >= 0; retired, ignored (train.eval_tokens replaced it): old configs load
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on

@@ -55,7 +55,8 @@ class MoeConfig:
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Sliding-window (local) layers interleaved with global ones (docs/model.md)."""
-  window: int = 0  # >= 0; a local layer's query sees the last `window` positions of its own document, itself included (0: every layer global)
+  # a local layer's query sees the last `window` positions of its own document, itself included
+  window: int = 0  # >= 0; 0: every layer global
   # >= 0; with a window, layers n-1, 2n-1, ... are global (6: Gemma's 5 local : 1 global);
   # 0: every layer is local (Mistral)
   global_every: int = 0
