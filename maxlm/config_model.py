@@ -50,6 +50,10 @@ class MoeConfig:
     if self.first_dense >= n_layers:
       raise ConfigError(f"{key}.first_dense: {self.first_dense} dense layers leave no MoE layer "
                         f"in model.n_layers={n_layers}; expected < {n_layers}")
+    if self.every > n_layers - self.first_dense:
+      raise ConfigError(f"{key}.every: {self.every} leaves no MoE layer after first_dense="
+                        f"{self.first_dense} in model.n_layers={n_layers}; expected <= "
+                        f"{n_layers - self.first_dense}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,3 +185,12 @@ def test_moe_and_local_layers_sample_through_the_decoders_own_path():
         seq.append(int(jnp.argmax(h[0, -1] @ head)))
       assert row.tolist() == seq[len(prompt):]
   assert not np.array_equal(*logprobs)  # the bias changed the routing
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45, 1e-300])
+def test_a_vanishing_temperature_samples_the_argmax_not_nan(temperature):
+  logits_NxV = jnp.array([[1.0, 3.0, 2.0, -1.0], [0.5, -2.0, 0.0, 4.0]])
+  keys_N = jax.random.split(jax.random.key(0), 2)
+  for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 0.5)):
+    np.testing.assert_array_equal(sample.choose(logits_NxV, keys_N, temperature, top_k, top_p),
+                                  [1, 3])

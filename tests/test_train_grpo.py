@@ -331,3 +331,35 @@ def test_sft_then_grpo_in_one_schedule(task):
   assert [("reward_mean" in r, r["stage"]) for r in rows] == [(False, 0), (False, 0),
                                                                (True, 1), (True, 1)]
   assert len(open(task / "both" / "rollouts.jsonl").readlines()) == 2 * 4 * 2
+
+
+def test_a_user_verifier_that_misbehaves_is_one_line_naming_the_key(tmp_path, monkeypatch):
+  (tmp_path / "userverify.py").write_text(
+      "def boom(c, g, p):\n  raise ValueError('boom')\n"
+      "def huge(c, g, p):\n  return 10**400\n"
+      "def np32(c, g, p):\n  import numpy\n  return numpy.float32(0.5)\n"
+      "not_a_function = 3\n")
+  (tmp_path / "badimport.py").write_text("raise RuntimeError('at import')\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert rewards.verifier("userverify:np32")("c", "g", "p") == 0.5
+  for spec, words in (("userverify:boom", "raised ValueError: boom"),
+                      ("userverify:huge", "a reward is a finite number"),
+                      ("userverify:not_a_function", "is not a function"),
+                      ("badimport:f", "RuntimeError: at import"),
+                      ("os:system", "raised TypeError")):
+    with pytest.raises(MaxlmError) as e:
+      rewards.verifier(spec)("completion", "gold", "prompt")
+    assert str(e.value).startswith(f"train.grpo.verify={spec}") and words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("line, words", [("{not json", "not JSON"),
+                                         ('{"id": "a", "prompt": "p", "gold": "g"}', "source"),
+                                         ("[1, 2]", "id, source, prompt, gold")])
+def test_a_broken_prompts_file_names_its_line(tmp_path, line, words):
+  from maxlm.data import prepare
+  good = json.dumps({"id": "x", "source": "rl", "prompt": "p", "gold": "g"})
+  (tmp_path / prepare.PROMPTS).write_text(good + "\n" + line + "\n")
+  with pytest.raises(MaxlmError) as e:
+    rollouts.read_prompts(str(tmp_path), {"rl": 1.0})
+  assert f"{prepare.PROMPTS}:2:" in str(e.value) and words in str(e.value)

@@ -214,7 +214,7 @@ def test_moe_run_resumes_bitwise_after_sigkills(tmp_path, data_dir):
 def test_maxlm_eval_of_a_biased_moe_run_routes_with_the_runs_bias(tmp_path, data_dir):
   """`maxlm eval` scores the checkpoint as training's own eval did: with the balancing bias
   (without it the routing, and so the loss, would differ)."""
-  path = small_config(tmp_path, data_dir, eval_every=0)
+  path = small_config(tmp_path, data_dir, eval_every=11)  # once, after the last of 11 steps
   run_dir = tmp_path / "run"
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "train", str(path), *MOE,
                          "model.moe.bias_rate=0.05"], capture_output=True, text=True, cwd=ROOT)

@@ -79,6 +79,9 @@ def nucleus(sorted_NxK, top_p):
   return jnp.where(keep_NxK, sorted_NxK, -jnp.inf)
 
 
+TINY_TEMPERATURE = float(np.finfo(np.float32).tiny)  # the CPU flushes smaller divisors to 0
+
+
 def choose(logits_NxV, keys_N, temperature, top_k=0, top_p=1.0):
   """[N] int32: one token per row (argmax at temperature 0).
 
@@ -86,9 +89,11 @@ def choose(logits_NxV, keys_N, temperature, top_k=0, top_p=1.0):
   draw costs O(V) and k random numbers' worth of work instead of V Gumbel draws (which made
   sampling 6x slower than the model's step on CPU). top_k keeps exactly k tokens (ties by the
   lower id)."""
-  if temperature <= 0:
+  if temperature < TINY_TEMPERATURE:  # 0: greedy; below float32's normals, its limit
     return jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32)
-  scaled_NxV = logits_NxV.astype(jnp.float32) / temperature
+  logits_NxV = logits_NxV.astype(jnp.float32)
+  shifted_NxV = logits_NxV - jnp.max(logits_NxV, axis=-1, keepdims=True)  # <= 0: no inf - inf
+  scaled_NxV = shifted_NxV / temperature  # a tiny temperature then tends to greedy, not to NaN
   if top_k:
     values_NxK, ids_NxK = jax.lax.top_k(scaled_NxV, top_k)
   elif top_p < 1.0:

@@ -17,6 +17,7 @@ batches are packed segments (maxlm/train/rollouts.py), not padded [prompts x G] 
 
 import importlib
 import math
+import numbers
 
 import numpy as np
 
@@ -33,18 +34,30 @@ def verifier(spec):
   module, _, name = spec.partition(":")
   try:
     fn = getattr(importlib.import_module(module), name)
-  except (ImportError, AttributeError) as e:
+  except Exception as e:  # noqa: BLE001 -- user code: any failure to import is one line
     raise MaxlmError(f"train.grpo.verify={spec}: cannot import {name} from {module} "
                      f"({type(e).__name__}: {e})") from None
+  if not callable(fn):
+    raise MaxlmError(f"train.grpo.verify={spec}: {module}.{name} is not a function")
 
   def reward(completion, gold, prompt):
-    value = fn(completion, gold, prompt)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
-        value):
+    try:
+      value = fn(completion, gold, prompt)
+    except Exception as e:  # noqa: BLE001 -- user code
+      raise MaxlmError(f"train.grpo.verify={spec} raised {type(e).__name__}: {e} (it is called "
+                       "as function(completion, gold, prompt))") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
       raise MaxlmError(f"train.grpo.verify={spec} returned {value!r}; a reward is a finite "
                        "number")
     return float(value)
   return reward
+
+
+def _finite(value):
+  try:
+    return math.isfinite(float(value))
+  except OverflowError:  # an int beyond float's range
+    return False
 
 
 def advantages(rewards_PxG):

@@ -41,9 +41,25 @@ def read_prompts(data_dir, mix):
   if not io.exists(path):
     raise MaxlmError(f"train.objective=grpo: {data_dir} has no {prepare.PROMPTS}; prepare "
                      "{\"prompt\", \"gold\"} records into it (docs/rl.md)")
-  rows = [json.loads(line) for line in io.read_bytes(path).decode().splitlines() if line.strip()]
+  rows = [_prompt_row(path, n, line) for n, line in enumerate(
+      io.read_bytes(path).decode("utf-8", "replace").splitlines(), 1) if line.strip()]
   named = {r["source"] for r in rows} & {k for k, v in (mix or {}).items() if v > 0}
   return [r for r in rows if not named or r["source"] in named]
+
+
+def _prompt_row(path, n, line):
+  """One record of prompts.jsonl, or one line naming the file, the line and what is wrong."""
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise MaxlmError(f"{path}:{n}: not JSON ({e.msg}); maxlm prepare writes this file: "
+                     "rerun it rather than editing the file") from None
+  missing = [k for k in ("id", "source", "prompt", "gold") if not isinstance(row, dict)
+             or k not in row]
+  if missing:
+    raise MaxlmError(f"{path}:{n}: a prompt record needs {', '.join(missing)}; maxlm prepare "
+                     "writes this file: rerun it rather than editing the file")
+  return row
 
 
 def step_prompts(n_prompts, per_step, seed, s, k):
