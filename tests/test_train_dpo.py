@@ -87,7 +87,7 @@ def test_dpo_needs_init_from_and_a_known_objective():
   stages = [{"seq_len": 32, "batch": 2, "steps": 1}]
   with pytest.raises(config_lib.ConfigError, match="train.objective=dpo needs init.from"):
     config_lib.from_dict({"stages": stages, "train": {"objective": "dpo"}})
-  with pytest.raises(config_lib.ConfigError, match="train.objective: expected lm or dpo"):
+  with pytest.raises(config_lib.ConfigError, match="train.objective: expected lm, dpo or grpo"):
     config_lib.from_dict({"stages": stages, "train": {"objective": "ppo"}})
   with pytest.raises(config_lib.ConfigError, match="train.dpo.beta"):
     config_lib.from_dict({"stages": stages, "init": {"from": "x"},
