@@ -173,7 +173,7 @@ def unrolled(tree, cfg):
   if not cfg.scan_layers:
     return tree
   out = {k: v for k, v in tree.items() if k not in layers_lib.layer_names(cfg)}
-  for i, (top, block, index) in enumerate(layers_lib._locations(cfg)):  # noqa: SLF001
+  for i, (top, block, index) in enumerate(layers_lib.locations(cfg)):
     sub = tree.get(top, {})
     sub = sub.get(block, {}) if block is not None else sub
     if sub:  # a collection (the MoE bias) holds only some layers

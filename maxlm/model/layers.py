@@ -83,7 +83,7 @@ def block_name(j):
   return f"block_{j}"
 
 
-def _locations(cfg):
+def locations(cfg):
   """[(top-level name, block name or None, index on the stacked axis or None)] per layer."""
   if not cfg.scan_layers:
     return [(f"layer_{i}", None, None) for i in range(cfg.n_layers)]
@@ -99,7 +99,7 @@ def _locations(cfg):
 def per_layer(tree, cfg):
   """Each layer's subtree (unstacked) of a params-shaped tree."""
   out = []
-  for top, block, index in _locations(cfg):
+  for top, block, index in locations(cfg):
     sub = tree[top] if block is None else tree[top][block]
     out.append(sub if index is None else jax.tree_util.tree_map(lambda x, i=index: x[i], sub))
   return out
@@ -109,7 +109,7 @@ def from_per_layer(layer_trees, cfg, stack=np.stack):
   """The layer entries of a params-shaped tree from one subtree per layer (inverse of
   per_layer); `stack` is np.stack or jnp.stack."""
   pieces = {}
-  for tree, (top, block, index) in zip(layer_trees, _locations(cfg)):
+  for tree, (top, block, index) in zip(layer_trees, locations(cfg)):
     pieces.setdefault((top, block), []).append((index, tree))
   out = {}
   for (top, block), items in pieces.items():
@@ -127,4 +127,4 @@ def from_per_layer(layer_trees, cfg, stack=np.stack):
 
 def layer_names(cfg):
   """The top-level param names that hold layers (everything else is embedding/norm/head)."""
-  return sorted({top for top, _, _ in _locations(cfg)})
+  return sorted({top for top, _, _ in locations(cfg)})
