@@ -30,8 +30,11 @@ def _interrupted_early(signum, _):
 
 
 def install_early():
+  """Also unblocks the two signals: one that a launcher held back until now (as the tests do,
+  to aim a signal at our start-up rather than at the interpreter's) arrives here, handled."""
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, _interrupted_early)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 
 
 def _terminated(signum, _):

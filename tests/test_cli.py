@@ -1,10 +1,13 @@
 import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import yaml
+
+from maxlm import cli
 
 import datagen
 from datagen import QUALITY_OFF
@@ -133,3 +136,16 @@ def test_readme_lists_every_command_and_option():
         if option.startswith("--") and option != "--help":
           assert re.search(rf"{re.escape(option)}\b", entries[name]), (
               f"README.md's `maxlm {name}` line does not mention {option}")
+
+
+def test_the_compile_cache_is_bounded_and_locked_for_processes_sharing_it(tmp_path):
+  code = ("from maxlm import cli; cli.enable_compile_cache(); import jax; "
+          "print(jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)")
+  env = {**os.environ, "MAXLM_COMPILE_CACHE": str(tmp_path / "cache")}
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout.split()
+  assert out == [str(tmp_path / "cache"), str(cli.COMPILE_CACHE_BYTES)]  # a bound: a file lock
+  env["MAXLM_COMPILE_CACHE"] = "off"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout.split()
+  assert out[0] == "None"
