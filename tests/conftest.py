@@ -3,14 +3,15 @@ import tempfile
 
 # Mesh tests need 8 simulated devices; set before anything imports jax.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# One compilation cache for the maxlm subprocesses the tests start (each a fresh process).
-# The test process itself keeps its compiled steps in memory only: after some hundred tests in
-# one process, XLA:CPU's executable.serialize() has crashed natively (SIGSEGV) writing a cache
-# entry, twice in the same test, and never in a fresh process.
+# One compilation cache for this session, shared with the maxlm subprocesses tests start.
 os.environ.setdefault("MAXLM_COMPILE_CACHE", tempfile.mkdtemp(prefix="maxlm-test-jax-cache-"))
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from maxlm import cli  # noqa: E402
+
+cli.enable_compile_cache()
 
 
 # Property tests draw the same examples on every run and machine (a suite that fails on one run
