@@ -13,11 +13,15 @@ import yaml
 from maxlm.train import metrics
 from limits import HANG_S
 
+# `maxlm demo`'s training wait under the signal handling `maxlm` gives every command
+# (maxlm/cli.py): its own SIGINT handler, not one inherited from whatever started it
 WRAPPER = textwrap.dedent("""
     import subprocess, sys
-    from maxlm import MaxlmError, demo
+    from maxlm import MaxlmError, demo, signals
+    signals.install_early()
     try:
-      demo._wait(subprocess.Popen([sys.executable, "-m", "maxlm.cli", "train", sys.argv[1]]))
+      with signals.running():
+        demo._wait(subprocess.Popen([sys.executable, "-m", "maxlm.cli", "train", sys.argv[1]]))
     except MaxlmError as e:
       print(e, file=sys.stderr)
       sys.exit(2)
