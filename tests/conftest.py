@@ -1,8 +1,11 @@
 import os
 import tempfile
 
-# Mesh tests need 8 simulated devices; set before anything imports jax.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import xlaflags
+
+# Mesh tests need 8 simulated devices, and compiling is most of a test's time (tests/xlaflags.py);
+# set before anything imports jax.
+os.environ.setdefault("XLA_FLAGS", xlaflags.flags(8))
 # One compilation cache for this session, shared with the maxlm subprocesses tests start.
 os.environ.setdefault("MAXLM_COMPILE_CACHE", tempfile.mkdtemp(prefix="maxlm-test-jax-cache-"))
 

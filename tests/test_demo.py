@@ -12,6 +12,7 @@ import yaml
 
 from maxlm.train import metrics
 from limits import HANG_S
+import xlaflags
 
 # `maxlm demo`'s training wait under the signal handling `maxlm` gives every command
 # (maxlm/cli.py): its own SIGINT handler, not one inherited from whatever started it
@@ -39,7 +40,7 @@ def test_ctrl_c_leaves_the_run_resumable(tmp_path, demo_data):
       "train": {"checkpoint_every": 1000, "eval_every": 0}}))
   # the job pauses after step 2 until the signal reaches it (maxlm/train/pause.py): it cannot
   # finish before the Ctrl-C lands, however loaded the machine
-  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+  env = {**os.environ, "XLA_FLAGS": xlaflags.flags(),
          "MAXLM_PAUSE_AFTER": f"2:{tmp_path / 'never'}"}
   proc = subprocess.Popen([sys.executable, "-c", WRAPPER, str(config)], env=env,
                           start_new_session=True, stdout=subprocess.PIPE,

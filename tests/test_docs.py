@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from limits import HANG_S
+import xlaflags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -46,7 +47,7 @@ def workdir(tmp_path_factory, demo_data):
 
 
 def run_bash(script, cwd):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user
+  env = {**os.environ, "XLA_FLAGS": xlaflags.flags()}  # one device, as a user
   env["PYTHONPATH"] = ROOT
   return subprocess.run(["bash", "-c", "set -eux\n" + script], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=HANG_S)

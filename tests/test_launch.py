@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 from limits import HANG_S
+import xlaflags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ["launch/tpu.sh", "launch/gpu.sh", "launch/slurm.sbatch"]
@@ -210,7 +211,7 @@ def test_maxlm_variables_join_two_processes():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": xlaflags.flags()}
   env.update(MAXLM_COORDINATOR=f"127.0.0.1:{port}", MAXLM_NUM_PROCESSES="2",
              JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen([sys.executable, "-c", JOIN], env={**env, "MAXLM_PROCESS_ID": str(i)},

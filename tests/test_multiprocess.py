@@ -28,6 +28,7 @@ from maxlm.train import metrics
 
 import datagen
 from limits import HANG_S
+import xlaflags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8
@@ -67,7 +68,7 @@ def start(config, run_dir, processes, *args, env=None):
   procs = []
   for i in range(processes):
     penv = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // processes}",
+            "XLA_FLAGS": xlaflags.flags(4 // processes),
             "MAXLM_COORDINATOR": f"127.0.0.1:{port}", "MAXLM_NUM_PROCESSES": str(processes),
             "MAXLM_PROCESS_ID": str(i), **(env or {})}
     procs.append(subprocess.Popen(
@@ -214,7 +215,7 @@ def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, r
 
 def test_verify_restart_kills_both_processes_and_resumes_bitwise(config, tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+         "XLA_FLAGS": xlaflags.flags(2)}
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "verify-restart", str(config),
                          "--processes", "2", "--kills", "1", "--workdir", str(tmp_path)],
                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)

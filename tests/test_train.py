@@ -16,6 +16,7 @@ from maxlm.train import metrics, optimizer, plot, verify
 
 import datagen
 from limits import HANG_S
+import xlaflags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -173,7 +174,7 @@ def test_verify_restart_with_three_kills_and_a_corrupt_checkpoint(tmp_path, demo
 @pytest.mark.slow
 def test_loss_falls_well_below_uniform_on_the_demo_corpus(tmp_path, demo_data):
   manifest = json.loads((demo_data / "manifest.json").read_text())
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+  env = {**os.environ, "XLA_FLAGS": xlaflags.flags()}  # one CPU device, as a user
   proc = maxlm("train", "configs/demo.yaml", f"data.dir={demo_data}",
                f"run_dir={tmp_path / 'run'}", "train.eval_every=0", "model.size=tiny", env=env)
   assert proc.returncode == 0, proc.stderr

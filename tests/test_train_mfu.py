@@ -16,6 +16,7 @@ from maxlm.model import build
 from maxlm.parallel import peaks
 
 import datagen
+import xlaflags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 L, ROWS_PER_DEVICE, PEAK = 32, 2, 1e9
@@ -46,7 +47,7 @@ def _run(tmp, data_dir, devices):
          "train": {"checkpoint_every": 100, "eval_every": 0}}
   path = tmp / f"cfg{devices}.yaml"
   path.write_text(yaml.safe_dump(raw))
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  env = {**os.environ, "XLA_FLAGS": xlaflags.flags(devices)}
   proc = subprocess.run([sys.executable, "-c", SCRIPT.replace("PEAK", repr(PEAK)), str(path)],
                         capture_output=True, text=True, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
