@@ -1,9 +1,10 @@
 import json
 import math
+import subprocess
 
 import pytest
 
-from maxlm import MaxlmError, config as config_lib
+from maxlm import MaxlmError, cli, config as config_lib
 from maxlm.eval import trace
 from maxlm.train import metrics
 
@@ -55,14 +56,30 @@ def test_which_checkpoint_a_step_is_replayed_from(run):
     trace.trace(run, 11, log=lambda *_: None)
 
 
-def test_trace_and_eval_commands_print_json(run):
+@pytest.fixture
+def here(capsys):
+  """maxlm(...) through cli.main in this process, as a CompletedProcess: the commands' output
+  and exit codes without a fresh interpreter each (one of each command still runs as one)."""
+  def run(*args):
+    argv = [str(a) for a in args]
+    capsys.readouterr()
+    try:
+      code = cli.main(argv)
+    except SystemExit as e:
+      code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+  return run
+
+
+def test_trace_and_eval_commands_print_json(run, here):
   proc = maxlm("trace", run, "--step", 9, "--json")
   assert proc.returncode == 0, proc.stderr
   t = json.loads(proc.stdout)
   assert set(t) >= {"step", "loss", "documents"} and t["step"] == 9 and t["exact"]
   assert set(t["documents"][0]) >= {"source", "doc_id", "start", "end", "loss_tokens", "loss"}
   flagged = [r["step"] for r in metrics.read_jsonl(run) if "spike" in r]
-  proc = maxlm("trace", run, "--spikes", "--json")
+  proc = here("trace", run, "--spikes", "--json")
   assert proc.returncode == 0 and [s["step"] for s in json.loads(proc.stdout)["spikes"]] == flagged
   assert flagged, "the tight spike rule flags a step of this run"
   proc = maxlm("eval", run, "--json")
@@ -79,7 +96,7 @@ def test_trace_and_eval_commands_print_json(run):
   for name, entry in e["sources"].items():  # the text the run evaluated, at the same L
     assert (entry["tokens"], entry["bytes"]) == (last[f"val_tokens/{name}"],
                                                  last[f"val_bytes/{name}"])
-  proc = maxlm("eval", run)
+  proc = here("eval", run)
   assert proc.returncode == 0 and "small held-out set" in proc.stdout, proc.stderr
   proc = maxlm("trace", run, "--step", -1)
   assert proc.returncode == 2 and "global steps 0..10" in proc.stderr

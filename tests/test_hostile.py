@@ -1,8 +1,11 @@
 """The CLI under hostile inputs, run as a user runs it (`maxlm ...` in a subprocess on a tiny
 trained run): every user-caused condition is one line and exit code 2, never an internal
-error, and nothing is dropped or written elsewhere without a word."""
+error, and nothing is dropped or written elsewhere without a word. Each behaviour is seen at
+least once from a real process; its further cases go through cli.main in this process (the
+same parser, dispatch and error lines, without a fresh interpreter and JAX import each)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,6 +22,22 @@ def maxlm(*args):
   return subprocess.run([sys.executable, "-m", "maxlm.cli",
                          *(a if isinstance(a, bytes) else str(a) for a in args)],
                         capture_output=True, text=True, errors="replace")
+
+
+@pytest.fixture
+def here(capsys):
+  """maxlm(...) in this process: cli.main's exit code and what it printed, as a subprocess's
+  CompletedProcess (argparse's refusals exit through SystemExit, as in a process)."""
+  def run(*args):
+    argv = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
+    capsys.readouterr()
+    try:
+      code = cli.main(argv)
+    except SystemExit as e:
+      code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+  return run
 
 
 def one_line_error(proc, *words):
@@ -46,33 +65,35 @@ def run(tmp_path_factory, demo_data):
   return tmp
 
 
-def test_generate_refuses_settings_it_cannot_honour(run):
-  """Checked before the run is opened: each is one line naming the option."""
-  for args, words in ((["--temperature", "nan"], ("--temperature", "nan")),
-                      (["--temperature", "inf"], ("--temperature", "inf")),
-                      (["--temperature", "-0.5"], ("--temperature", "-0.5")),
-                      (["--seed", str(2**64)], ("--seed must be in [0, 2**64)",)),
-                      (["--seed", "-1"], ("--seed",)),
-                      (["--prompt", b"caf\xe9 au lait"], ("--prompt is not valid UTF-8",)),
-                      (["--prompt", "\udcff"], ("--prompt is not valid UTF-8",))):
+def test_generate_refuses_settings_it_cannot_honour(run, here):
+  """Checked before the run is opened: each is one line naming the option (the first from a
+  process, the rest in this one)."""
+  cases = ((["--temperature", "nan"], ("--temperature", "nan")),
+           (["--temperature", "inf"], ("--temperature", "inf")),
+           (["--temperature", "-0.5"], ("--temperature", "-0.5")),
+           (["--seed", str(2**64)], ("--seed must be in [0, 2**64)",)),
+           (["--seed", "-1"], ("--seed",)),
+           (["--prompt", b"caf\xe9 au lait"], ("--prompt is not valid UTF-8",)),
+           (["--prompt", "\udcff"], ("--prompt is not valid UTF-8",)))
+  for i, (args, words) in enumerate(cases):
     if "--prompt" not in args:
       args = ["--prompt", "hi", *args]
-    one_line_error(maxlm("generate", run / "run", *args), *words)
+    one_line_error((maxlm if i == 0 else here)("generate", run / "run", *args), *words)
 
 
-def test_generate_refuses_what_the_model_cannot_hold(run):
+def test_generate_refuses_what_the_model_cannot_hold(run, here):
   one_line_error(maxlm("generate", run / "run", "--prompt", "word " * 5000),
                  "more than the 32 positions this model holds: shorten it")
-  one_line_error(maxlm("generate", run / "run", "--prompt", "hi", "--max-tokens", "100000"),
+  one_line_error(here("generate", run / "run", "--prompt", "hi", "--max-tokens", "100000"),
                  "pass --max-tokens", "or less")
-  one_line_error(maxlm("generate", run / "run", "--prompt", "hi", "--top-k", "1025"),
+  one_line_error(here("generate", run / "run", "--prompt", "hi", "--top-k", "1025"),
                  "--top-k must be in [0, 1024]")
   ok = maxlm("generate", run / "run", "--prompt", "hi", "--top-k", "1024", "--max-tokens", "3",
              "--seed", str(2**64 - 1))
   assert ok.returncode == 0 and ok.stdout.startswith("hi"), ok.stderr
 
 
-def test_generate_counts_every_prompt_line_it_does_not_use(run):
+def test_generate_counts_every_prompt_line_it_does_not_use(run, here):
   lines = ['{"prompt": "1+1=", "gold": "2"}', "not json", '{"prompt": "\\udcff", "gold": "1"}',
            '{"prompt": "no gold"}', json.dumps({"prompt": "word " * 300, "gold": "1"}),
            '["a list"]']
@@ -85,18 +106,18 @@ def test_generate_counts_every_prompt_line_it_does_not_use(run):
   result = json.loads(proc.stdout)
   assert len(result["prompts"]) == 1 and result["dropped"]["too_long"] == 1
   path.write_text(lines[4] + "\n")
-  one_line_error(maxlm("generate", run / "run", "--prompts", path),
+  one_line_error(here("generate", run / "run", "--prompts", path),
                  "no usable prompt fits the model's 32 positions")
 
 
-def test_outputs_are_the_file_named(run, tmp_path):
+def test_outputs_are_the_file_named(run, tmp_path, here):
   """A suffix the writer would change or refuse is one line; nothing is written."""
   cfg = run / "cfg.yaml"
-  for args in (["show-batch", cfg, "--out", tmp_path / "row.jpgg"],
-               ["show-batch", cfg, "--out", tmp_path / "row"],
-               ["batches", cfg, "--out", tmp_path / "b"]):
-    one_line_error(maxlm(*args), "give a file name ending in")
-  one_line_error(maxlm("funnel", run / "nope", "--png", tmp_path / "f"),
+  for i, args in enumerate((["show-batch", cfg, "--out", tmp_path / "row.jpgg"],
+                            ["show-batch", cfg, "--out", tmp_path / "row"],
+                            ["batches", cfg, "--out", tmp_path / "b"])):
+    one_line_error((maxlm if i == 0 else here)(*args), "give a file name ending in")
+  one_line_error(here("funnel", run / "nope", "--png", tmp_path / "f"),
                  "--png", "ending in .png")
   assert list(tmp_path.iterdir()) == []
 
@@ -117,8 +138,9 @@ def test_os_error_line_reads_wrapped_errors():
   assert cli.os_error_line(ValueError("a bug")) is None
 
 
-def test_training_on_a_shard_changed_after_prepare_is_one_line(run, demo_data, tmp_path):
-  """Same size, one bit: the manifest's sizes agree, the block digest does not."""
+def test_training_on_a_shard_changed_after_prepare_is_one_line(run, demo_data, tmp_path, here):
+  """Same size, one bit: the manifest's sizes agree, the block digest does not (read in this
+  process, and by forked workers in a process of its own)."""
   import shutil
   copy = tmp_path / "data"
   shutil.copytree(demo_data, copy)
@@ -127,8 +149,9 @@ def test_training_on_a_shard_changed_after_prepare_is_one_line(run, demo_data, t
   data[len(data) // 2] ^= 1
   shard.write_bytes(bytes(data))
   for workers in (0, 2):
-    proc = maxlm("train", run / "cfg.yaml", f"data.dir={copy}", f"run_dir={tmp_path / 'run'}",
-                 f"data.workers={workers}")
+    proc = (here if workers == 0 else maxlm)("train", run / "cfg.yaml", f"data.dir={copy}",
+                                             f"run_dir={tmp_path / 'run'}",
+                                             f"data.workers={workers}")
     line = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "internal error" not in proc.stderr, proc.stderr
     assert "tokens-00000.bin block 0" in line and "does not match its XXH3-64" in line, line
@@ -136,35 +159,35 @@ def test_training_on_a_shard_changed_after_prepare_is_one_line(run, demo_data, t
         p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
 
 
-def test_overrides_are_accepted_after_options(run):
+def test_overrides_are_accepted_after_options(run, here):
   before = maxlm("ledger", run / "cfg.yaml", "stages.0.steps=2", "--json")
-  after = maxlm("ledger", run / "cfg.yaml", "--json", "stages.0.steps=2")
+  after = here("ledger", run / "cfg.yaml", "--json", "stages.0.steps=2")
   assert before.returncode == after.returncode == 0, after.stderr
   assert json.loads(after.stdout) == json.loads(before.stdout)
   assert json.loads(after.stdout)["stages"][0]["rows"] == 16
   bad = maxlm("ledger", run / "cfg.yaml", "--json", "stages.0.steps=2", "--bogus")
   assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
-  bad = maxlm("eval", run / "run", "--json", "x=1")  # no overrides there: still refused
+  bad = here("eval", run / "run", "--json", "x=1")  # no overrides there: still refused
   assert bad.returncode == 2 and "unrecognized arguments: x=1" in bad.stderr
 
 
-def test_file_outputs_never_land_in_a_data_dir_or_checkpoints(run, demo_data, tmp_path):
+def test_file_outputs_never_land_in_a_data_dir_or_checkpoints(run, demo_data, tmp_path, here):
   data = tmp_path / "data"
   import shutil
   shutil.copytree(demo_data, data)
   before = sorted((p.name, p.stat().st_size) for p in data.iterdir())
   cfg, ckpts = run / "cfg.yaml", run / "run" / "checkpoints"
-  for args, words in (
+  for i, (args, words) in enumerate((
       (["plot", run / "run", "--out", data / "tokenizer.model"], ("ending in .png",)),
       (["plot", run / "run", "--out", data / "x.png"], ("lies inside the data dir",)),
       (["plot", run / "run", "--out", f"{ckpts}/../checkpoints/2/x.png"],
        ("lies inside the checkpoints of the run dir",)),
       (["batches", cfg, f"data.dir={data}", "--out", data / "index.npz"],
        ("lies inside the data dir",)),
-      (["show-batch", cfg, "--out", data / "row.png"], ("lies inside the data dir",))):
-    one_line_error(maxlm(*args), *words)
+      (["show-batch", cfg, "--out", data / "row.png"], ("lies inside the data dir",)))):
+    one_line_error((maxlm if i == 0 else here)(*args), *words)
   assert sorted((p.name, p.stat().st_size) for p in data.iterdir()) == before
-  ok = maxlm("plot", run / "run")  # the run dir's top level stays its own
+  ok = here("plot", run / "run")  # the run dir's top level stays its own
   assert ok.returncode == 0 and (run / "run" / "curves.png").exists(), ok.stderr
 
 
@@ -196,12 +219,12 @@ def corpus(tmp_path_factory, demo_data):
   return tmp
 
 
-def _prepare(corpus, *flags):
-  return maxlm("prepare", corpus / "in.jsonl", "--out", corpus / "out", "--tokenizer",
+def _prepare(corpus, *flags, via=maxlm):
+  return via("prepare", corpus / "in.jsonl", "--out", corpus / "out", "--tokenizer",
                corpus / "t.model", "--quality", corpus / "q.yaml", *flags)
 
 
-def test_prepare_outputs_never_land_on_what_it_reads_or_on_data(corpus, demo_data):
+def test_prepare_outputs_never_land_on_what_it_reads_or_on_data(corpus, demo_data, here):
   before = {p: p.read_bytes() for p in (corpus / "t.model", corpus / "q.yaml",
                                         demo_data / "tokenizer.model",
                                         corpus / "run" / "metrics.jsonl")}
@@ -209,19 +232,21 @@ def test_prepare_outputs_never_land_on_what_it_reads_or_on_data(corpus, demo_dat
                         (demo_data / "tokenizer.model", "lies inside the data dir"),
                         (corpus / "run" / "metrics.jsonl", "lies inside the run dir")):
     for flag in ("--rejected", "--funnel-png"):
-      one_line_error(_prepare(corpus, flag, target), flag, words)
+      first = target == corpus / "t.model" and flag == "--rejected"
+      one_line_error(_prepare(corpus, flag, target, via=maxlm if first else here), flag, words)
   assert all(p.read_bytes() == data for p, data in before.items())
   assert not (corpus / "out").exists()
 
 
-def test_prepare_values_out_of_range_are_one_line(corpus):
-  for flags, words in ((["--vocab-size", "99999999999"], "--vocab-size must be in [300, "),
-                       (["--vocab-size", "2000000"], "--vocab-size must be in [300, "),
-                       (["--lang", "=en"], "the source name is empty"),
-                       (["--kind", " =code"], "a source name is empty"),
-                       (["--filter", "gopher_max_bullet_lines=2"], "in [0, 1]"),
-                       (["--filter", "code_max_mean_line_length=0"], "> 0")):
-    one_line_error(_prepare(corpus, *flags), *words)
+def test_prepare_values_out_of_range_are_one_line(corpus, here):
+  cases = ((["--vocab-size", "99999999999"], "--vocab-size must be in [300, "),
+           (["--vocab-size", "2000000"], "--vocab-size must be in [300, "),
+           (["--lang", "=en"], "the source name is empty"),
+           (["--kind", " =code"], "a source name is empty"),
+           (["--filter", "gopher_max_bullet_lines=2"], "in [0, 1]"),
+           (["--filter", "code_max_mean_line_length=0"], "> 0"))
+  for i, (flags, words) in enumerate(cases):
+    one_line_error(_prepare(corpus, *flags, via=maxlm if i == 0 else here), *words)
   assert not (corpus / "out").exists()
 
 

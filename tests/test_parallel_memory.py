@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from maxlm import config as config_lib
+from maxlm import cli, config as config_lib
 from maxlm.parallel import memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def test_estimate_is_within_a_quarter_of_xla(devices, overrides):
   assert est["params"] + est["optimizer"] == pytest.approx(xla["arguments"], rel=0.01)
 
 
-def test_memory_command_prints_every_stage(tmp_path):
+def test_memory_command_prints_every_stage(tmp_path, capsys, monkeypatch):
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "memory", "configs/demo.yaml",
                          "model.vocab_size=4096", "--devices", "2", "--platform", "cpu",
                          "--json"], capture_output=True, text=True, cwd=ROOT)
@@ -43,10 +43,11 @@ def test_memory_command_prints_every_stage(tmp_path):
   for entry in out["stages"]:
     est = entry["estimate"]
     assert set(est) >= {*memory.PARTS, "total"} and est["total"] > est["params"] > 0
-  table = subprocess.run([sys.executable, "-m", "maxlm.cli", "memory", "configs/demo.yaml",
-                          "model.vocab_size=4096", "--devices", "2"], capture_output=True,
-                         text=True, cwd=ROOT)
-  assert table.returncode == 0 and "s1024" in table.stdout and "activations" in table.stdout
-  bad = subprocess.run([sys.executable, "-m", "maxlm.cli", "memory", "configs/demo.yaml",
-                        f"data.dir={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
-  assert bad.returncode == 2 and "vocabulary size is unknown" in bad.stderr
+  # the table and a refusal through cli.main in this process (the JSON run above is a process)
+  monkeypatch.chdir(ROOT)
+  capsys.readouterr()
+  code = cli.main(["memory", "configs/demo.yaml", "model.vocab_size=4096", "--devices", "2"])
+  table = capsys.readouterr().out
+  assert code == 0 and "s1024" in table and "activations" in table
+  code = cli.main(["memory", "configs/demo.yaml", f"data.dir={tmp_path}"])
+  assert code == 2 and "vocabulary size is unknown" in capsys.readouterr().err

@@ -86,9 +86,11 @@ def test_spikes_and_skips_are_resume_exact_in_training(tmp_path, data_dir):  # n
   assert {g: _strip(r) for g, r in got.items()} == {g: _strip(r) for g, r in want.items()}
   assert [g for g, _ in spikes.flagged(metrics.read_jsonl(parted.run_dir))] == [
       g for g, r in sorted(want.items()) if "spike" in r]
-  # the recipe: a run without the skip, its checkpoints after step 3 moved aside, resumed
+  # the recipe: a run without the skip (here stopped at step 6: the recipe needs a checkpoint
+  # after step 3, not the whole schedule), its checkpoints after step 3 moved aside, resumed
   plain = _config(tmp_path / "c", data_dir, **train)
-  before = _train_rows(plain)
+  before = _train_rows(plain, stop_after=6)
+  assert sorted(before) == list(range(6))
   assert before[3]["fingerprint"] != want[3]["fingerprint"]
   ckpt_dir = tmp_path / "c" / "run" / "checkpoints"
   for step in [p for p in ckpt_dir.iterdir() if p.name.isdigit() and int(p.name) > 3]:
