@@ -26,11 +26,26 @@ def tiny():
   return cfg, model, params
 
 
+WIDTH = 16  # the full forwards below run right-padded to one length: one compile
+
+
+_FORWARDS = {}
+
+
 def _full_logits(model, params, seq):
-  tokens = jnp.asarray([seq], jnp.int32)
-  h, head, _ = model.apply({"params": params}, tokens, jnp.arange(len(seq))[None],
-                           jnp.ones_like(tokens))
-  return np.asarray(h[0].astype(jnp.float32) @ head.astype(jnp.float32))
+  """The logits of a full forward of seq; attention is causal, so the padding after it
+  changes nothing at its positions."""
+  if id(model) not in _FORWARDS:
+    @jax.jit
+    def forward(params, tokens_1xW, n):
+      segments = (jnp.arange(WIDTH) < n).astype(jnp.int32)[None]  # padding: segment 0
+      h, head, _ = model.apply({"params": params}, tokens_1xW, jnp.arange(WIDTH)[None],
+                               segments)
+      return h[0].astype(jnp.float32) @ head.astype(jnp.float32)
+    _FORWARDS[id(model)] = (model, forward)  # the model held: its id stays its own
+  tokens = np.zeros((1, WIDTH), np.int32)
+  tokens[0, :len(seq)] = seq
+  return np.asarray(_FORWARDS[id(model)][1](params, tokens, len(seq)))[:len(seq)]
 
 
 def test_greedy_rows_equal_the_one_sequence_sampler(tiny):
@@ -170,19 +185,30 @@ def test_moe_and_local_layers_sample_through_the_decoders_own_path():
   rng = np.random.default_rng(0)
   bias = jax.tree_util.tree_map(lambda x: (0.5 * rng.standard_normal(x.shape)).astype(
       np.float32), build.abstract_collection(model, "moe_bias"))
+  width = max(len(p) for p in PROMPTS) + 4
+
+  @jax.jit
+  def next_token(variables, ids_1xW, n):
+    # The full forward of the first n tokens, right-padded to one width (one compile): the
+    # attention is causal and padding (segment 0) is not routed, so position n-1 sees only
+    # the sequence itself.
+    segments = (jnp.arange(width) < n).astype(jnp.int32)[None]
+    h, head, _ = model.apply(variables, ids_1xW, jnp.arange(width)[None], segments)
+    return jnp.argmax(h[0, n - 1] @ head)
+
   logprobs = []
   for collections in (None, {"moe_bias": bias}):
     tokens, _, lp = sample.generate_arrays(model, params, PROMPTS, n_samples=1,
                                            max_new_tokens=4, temperature=0,
                                            collections=collections)
     logprobs.append(lp)
+    variables = {"params": params, **(collections or {})}
     for prompt, row in zip(PROMPTS, tokens):
       seq = list(prompt)
       for _ in range(4):
-        ids = jnp.asarray([seq], jnp.int32)
-        h, head, _ = model.apply({"params": params, **(collections or {})}, ids,
-                                 jnp.arange(len(seq))[None], jnp.ones_like(ids))
-        seq.append(int(jnp.argmax(h[0, -1] @ head)))
+        ids = np.zeros((1, width), np.int32)
+        ids[0, :len(seq)] = seq
+        seq.append(int(next_token(variables, ids, len(seq))))
       assert row.tolist() == seq[len(prompt):]
   assert not np.array_equal(*logprobs)  # the bias changed the routing
 

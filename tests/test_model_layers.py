@@ -65,7 +65,7 @@ def test_scanned_groups_equal_the_unrolled_model_on_the_same_weights(n_layers):
                    "model.attention.global_every=2")
   run = Settings(rope=config_lib.RopeConfig(), impl="reference")
   scanned = Decoder(cfg, run)
-  params = nn.meta.unbox(scanned.init(jax.random.key(0), *_inputs())["params"])
+  params = nn.meta.unbox(jax.jit(scanned.init)(jax.random.key(0), *_inputs())["params"])
   assert "group_0" in params and "layers" not in params
   unrolled_cfg = dataclasses.replace(cfg, scan_layers=False)
   per_layer = layers.per_layer(params, cfg)
@@ -74,8 +74,8 @@ def test_scanned_groups_equal_the_unrolled_model_on_the_same_weights(n_layers):
   unrolled.update(layers.from_per_layer(per_layer, unrolled_cfg))
   assert sorted(k for k in unrolled if k.startswith("layer_")) == sorted(
       f"layer_{i}" for i in range(n_layers))
-  h_scanned = scanned.apply({"params": params}, *_inputs())[0]
-  h_unrolled = Decoder(unrolled_cfg, run).apply({"params": unrolled}, *_inputs())[0]
+  h_scanned = jax.jit(scanned.apply)({"params": params}, *_inputs())[0]
+  h_unrolled = jax.jit(Decoder(unrolled_cfg, run).apply)({"params": unrolled}, *_inputs())[0]
   np.testing.assert_allclose(h_scanned, h_unrolled, atol=2e-6)
   restacked = layers.from_per_layer(per_layer, cfg, stack=jnp.stack)
   for a, b in zip(jax.tree_util.tree_leaves(restacked),
