@@ -436,7 +436,20 @@ def test_init_from_checks_export_digests_and_refuses_non_finite_weights(trained,
       source.get(n)
 
 
-def test_export_command(trained, tmp_path):
+def in_process(capsys, *args):
+  """`maxlm ARGS` through cli.main in this process, as a CompletedProcess (its exit code,
+  stdout and stderr), for a further case of a command a test has already run as a process."""
+  from maxlm import cli
+  capsys.readouterr()
+  try:
+    code = cli.main([str(a) for a in args])
+  except SystemExit as e:
+    code = e.code
+  out = capsys.readouterr()
+  return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_export_command(trained, tmp_path, capsys):
   tmp, cfg, out = trained
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "export", cfg.run_dir, "--out",
                          str(tmp_path / "e"), "--step", "3", "--no-tokenizer"],
@@ -445,9 +458,7 @@ def test_export_command(trained, tmp_path):
   assert "checkpoint 3 (stage 0)" in proc.stdout
   assert json.loads((tmp_path / "e" / "config.json").read_text())["rope_scaling"] is None
   assert not (tmp_path / "e" / "tokenizer.model").exists()
-  proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "export", str(tmp_path / "nope"),
-                         "--out", str(tmp_path / "f")], capture_output=True, text=True,
-                        cwd=ROOT)
+  proc = in_process(capsys, "export", tmp_path / "nope", "--out", tmp_path / "f")
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
   assert "does not exist (no config.yaml)" in proc.stderr
 
@@ -506,20 +517,21 @@ def test_autotokenizer_ids_equal_maxlms(trained):
   assert tok.eos_token_id == tok_lib.EOS and tok.bos_token_id == tok_lib.BOS
 
 
-def test_greedy_continuations_equal_maxlm_generate(trained):
+def test_greedy_continuations_equal_maxlm_generate(trained, capsys):
   _needs_transformers()
   import torch
   import transformers
   _, cfg, out = trained
   hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
   tok = transformers.AutoTokenizer.from_pretrained(str(out))
-  for prompt in ("def main(", "The "):
+  for i, prompt in enumerate(("def main(", "The ")):  # the second in this process
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
       theirs = hf.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
     text = prompt + tok.decode(theirs[0, ids.shape[1]:], skip_special_tokens=True)
-    proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "generate", cfg.run_dir,
-                           "--prompt", prompt, "--temperature", "0", "--max-tokens", "12"],
-                          capture_output=True, text=True, cwd=ROOT)
+    args = ["generate", cfg.run_dir, "--prompt", prompt, "--temperature", "0", "--max-tokens",
+            "12"]
+    proc = (subprocess.run([sys.executable, "-m", "maxlm.cli", *args], capture_output=True,
+                           text=True, cwd=ROOT) if i == 0 else in_process(capsys, *args))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n") == text
