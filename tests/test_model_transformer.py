@@ -104,23 +104,27 @@ def _loss_case(seed):
 
 def test_chunked_loss_equals_full_logits():
   (h, w, t, m), full = _loss_case(0)
+  full = jax.jit(full)
   want, want_z = float(full(h, w, 0.0)), float(full(h, w, 1e-3))
   for chunk in (7, 16, 50):
-    got, sums = loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk)
+    chunked = jax.jit(lambda h, w, z: loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk,
+                                                                      z_loss=z),
+                      static_argnums=2)
+    got, sums = chunked(h, w, 0.0)
     assert np.isclose(float(got), want, rtol=1e-5) and float(sums["count"]) == float(m.sum())
-    got_z, _ = loss_lib.chunked_cross_entropy(h, w, t, m, chunk=chunk, z_loss=1e-3)
+    got_z, _ = chunked(h, w, 1e-3)
     assert np.isclose(float(got_z), want_z, rtol=1e-5)
 
 
 def test_chunked_loss_gradient_equals_autodiff_of_full_logits():
   (h, w, t, m), full = _loss_case(1)
   for z in (0.0, 1e-2):
-    want = jax.grad(full, argnums=(0, 1))(h, w, z)
+    want = jax.jit(jax.grad(full, argnums=(0, 1)))(h, w, z)
     for chunk in (7, 50):
-      got = jax.grad(lambda h, w: 3.0 * loss_lib.chunked_cross_entropy(
-          h, w, t, m, chunk=chunk, z_loss=z)[0], argnums=(0, 1))(h, w)
-      summed = jax.grad(lambda h, w: loss_lib.chunked_cross_entropy(
-          h, w, t, m, chunk=chunk, z_loss=z)[1]["total"], argnums=(0, 1))(h, w)
+      got = jax.jit(jax.grad(lambda h, w: 3.0 * loss_lib.chunked_cross_entropy(
+          h, w, t, m, chunk=chunk, z_loss=z)[0], argnums=(0, 1)))(h, w)
+      summed = jax.jit(jax.grad(lambda h, w: loss_lib.chunked_cross_entropy(
+          h, w, t, m, chunk=chunk, z_loss=z)[1]["total"], argnums=(0, 1)))(h, w)
       for g, s, e in zip(got, summed, want):
         assert np.allclose(g, 3.0 * e, rtol=1e-4, atol=1e-6)
         assert np.allclose(s, e * float(m.sum()), rtol=1e-4, atol=1e-5)
