@@ -61,12 +61,12 @@ class Counter:
 def check(fn, q, k, v, seg, w, tol=2e-5):
   ref = lambda q, k, v: reference.attention(q, k, v, seg, seg)[0]
   loss = lambda f: lambda q, k, v: (f(q, k, v) * w).sum()
-  want, got = ref(q, k, v), fn(q, k, v)
+  want, got = jax.jit(ref)(q, k, v), jax.jit(fn)(q, k, v)
   scale = lambda x: max(1.0, float(jnp.abs(x).max()))
   assert float(jnp.abs(got - want).max()) <= tol * scale(want)
   assert not np.asarray(got[3]).any(), "an all-padding row's output is 0"
-  want_g = jax.grad(loss(ref), (0, 1, 2))(q, k, v)
-  got_g = jax.grad(loss(fn), (0, 1, 2))(q, k, v)
+  want_g = jax.jit(jax.grad(loss(ref), (0, 1, 2)))(q, k, v)
+  got_g = jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v)
   for g, wg in zip(got_g, want_g):
     assert float(jnp.abs(g - wg).max()) <= 4 * tol * scale(wg)
 
@@ -114,8 +114,9 @@ def test_ranges_stay_correct_on_unsorted_segments():
   rng = np.random.default_rng(3)
   seg = jnp.asarray(rng.integers(0, 4, size=(2, 128)), jnp.int32)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 128, 2, 16)), jnp.float32) for _ in range(3))
-  want = reference.attention(q, k, v, seg, seg)[0]
-  got = triton_segments.gpu(q, k, v, seg, block=32, interpret=True)[0]
+  want = jax.jit(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])(q, k, v)
+  got = jax.jit(lambda q, k, v: triton_segments.gpu(q, k, v, seg, block=32, interpret=True)[0])(
+      q, k, v)
   assert float(jnp.abs(got - want).max()) < 1e-5
   assert triton_segments.block_count(seg, 32, 32) >= brute_force_tiles(seg, 32, 32)
   assert splash_segments.block_count(seg, 32, 32) >= brute_force_tiles(seg, 32, 32)
