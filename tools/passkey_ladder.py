@@ -3,8 +3,8 @@
 each stage held-out loss by position and the passkey grid (`maxlm eval --passkey --json`).
 
   python tools/passkey_ladder.py --json                  # the numbers in docs/schedule.md
-  python tools/passkey_ladder.py --json --scale 0.1 --corpus-bytes 300000 --vocab 1024 \
-      --passkey-docs 100 --samples 1 --workdir runs/passkey_small     # the docs test's size
+  python tools/passkey_ladder.py --json --scale 0.05 --corpus-bytes 150000 --vocab 512 \
+      --passkey-docs 40 --samples 1 --workdir runs/passkey_small     # the docs test's size
 
 1. The demo corpus (maxlm/data/corpus.py, --corpus-bytes per source) and --passkey-docs
    retrieval documents whose filler is the corpus's prose (tools/make_passkey_source.py).
