@@ -59,7 +59,7 @@ def test_layer_grouped_equals_loop_outputs_and_grads(monkeypatch, score, norm_to
   cfg = model_config(score=score, norm_topk=norm_topk, shared_experts=shared)
   x_BxLxD = inputs().reshape(B, L, D)
   seg = segments()
-  variables = moe.MoeMlp(cfg).init(jax.random.key(3), x_BxLxD, seg)
+  variables = jax.jit(moe.MoeMlp(cfg).init)(jax.random.key(3), x_BxLxD, seg)
   params = jax.tree_util.tree_map(lambda p: p * 10, nn.meta.unbox(variables["params"]))
   bias = {"bias": jnp.linspace(-0.1, 0.1, E)}
 
@@ -130,7 +130,7 @@ def test_capacity_mode_layer_sows_dropped_slots_and_matches_loop(monkeypatch):
   assert capacity == math.ceil(0.5 * B * L * 2 / E)
   x_BxLxD = inputs().reshape(B, L, D)
   seg = segments()
-  params = nn.meta.unbox(moe.MoeMlp(cfg).init(jax.random.key(3), x_BxLxD, seg)["params"])
+  params = nn.meta.unbox(jax.jit(moe.MoeMlp(cfg).init)(jax.random.key(3), x_BxLxD, seg)["params"])
   y, stats = apply_layer(cfg, params, x_BxLxD, seg)
   load_E = stats["moe"]["load"][0]
   expected = float(jnp.sum(jnp.maximum(load_E - capacity, 0)))
@@ -232,7 +232,7 @@ def test_experts_grouped_equals_loop_with_each_grouped_impl():
 def test_layer_without_bias_state_selects_unbiased():
   cfg = model_config()
   x_BxLxD = inputs().reshape(B, L, D)
-  variables = moe.MoeMlp(cfg).init(jax.random.key(3), x_BxLxD, segments())
+  variables = jax.jit(moe.MoeMlp(cfg).init)(jax.random.key(3), x_BxLxD, segments())
   params = nn.meta.unbox(variables["params"])
   y_zero_bias, _ = apply_layer(cfg, params, x_BxLxD, segments(), {"bias": jnp.zeros(E)})
   y_params_only, _ = apply_layer(cfg, params, x_BxLxD, segments())
@@ -296,7 +296,7 @@ def test_layer_computes_in_the_model_dtype_with_float32_params():
   cfg32 = model_config(shared_experts=1)
   cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
   x_BxLxD = inputs().reshape(B, L, D)
-  variables = moe.MoeMlp(cfg16).init(jax.random.key(3), x_BxLxD, segments())
+  variables = jax.jit(moe.MoeMlp(cfg16).init)(jax.random.key(3), x_BxLxD, segments())
   params = nn.meta.unbox(variables["params"])
   assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
   y16, _ = apply_layer(cfg16, params, x_BxLxD, segments())
