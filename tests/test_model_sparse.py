@@ -1,6 +1,8 @@
 """DeepSeek sparse attention (maxlm/model/attention/sparse.py, sparse_blocks.py): equality with
 dense, segments, packing, recall."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,11 @@ import numpy as np
 from maxlm.model.attention import reference, sparse, sparse_blocks
 from test_model_attention import close, make_case, packed_segments
 from limits import HANG_S
+
+
+def jitted(fn, **static):
+  """fn compiled once, its keyword settings (topk, chunk, block, ...) fixed."""
+  return jax.jit(functools.partial(fn, **static))
 
 
 def indexer_inputs(b, length, seed=1, heads=2, dim=8):
@@ -26,7 +33,7 @@ def test_topk_covering_every_visible_key_equals_dense_outputs_and_grads():
     def f(q, k, v):
       out = fn(q, k, v)
       return (out * w).sum(), out
-    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
   (_, dense), dense_g = loss(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
   (_, out), grads = loss(lambda q, k, v: sparse.sparse(q, k, v, iq, iw, ik, seg, seg,
@@ -34,7 +41,7 @@ def test_topk_covering_every_visible_key_equals_dense_outputs_and_grads():
   close(out, dense, 1e-5)
   for g, dg in zip(grads, dense_g):
     close(g, dg, 1e-5)
-  stats = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=topk, chunk=48)[2]
+  stats = jitted(sparse.sparse, topk=topk, chunk=48)(q, k, v, iq, iw, ik, seg, seg)[2]
   vis = np.asarray(reference.visible(seg, seg)).sum(-1)
   assert float(stats["selected"]) == vis.sum()  # every visible key, and nothing else
   assert float(stats["queries"]) == (np.asarray(seg) > 0).sum()
@@ -47,19 +54,19 @@ def test_selection_stays_in_the_document_and_packing_changes_nothing():
   q, k, v, _, _ = make_case(length=length, seed=4)
   q, k, v = q[:2], k[:2], v[:2]
   iq, iw, ik = indexer_inputs(2, length, seed=5)
-  out, _, stats = sparse.sparse(q, k, v, iq, iw, ik, seg, seg, topk=topk, chunk=16)
+  out, _, stats = jitted(sparse.sparse, topk=topk, chunk=16)(q, k, v, iq, iw, ik, seg, seg)
   vis = np.asarray(reference.visible(seg, seg)).sum(-1)
   assert float(stats["selected"]) == np.minimum(vis, topk).sum()
   # each document alone (at position 0, its own row) gives the same outputs as packed
+  alone_fn = jitted(sparse.sparse, topk=topk, chunk=8)  # compiled once per document length
   for b in range(2):
     row = np.asarray(seg[b])
     for s in np.unique(row[row > 0]):
       where = np.nonzero(row == s)[0]
       a, n = where[0], len(where)
       take = lambda x: x[b:b + 1, a:a + n]
-      alone, _, _ = sparse.sparse(take(q), take(k), take(v), take(iq), take(iw), take(ik),
-                                  jnp.ones((1, n), jnp.int32), jnp.ones((1, n), jnp.int32),
-                                  topk=topk, chunk=8)
+      alone, _, _ = alone_fn(take(q), take(k), take(v), take(iq), take(iw), take(ik),
+                             jnp.ones((1, n), jnp.int32), jnp.ones((1, n), jnp.int32))
       np.testing.assert_allclose(np.asarray(alone[0]), np.asarray(out[b, a:a + n]), atol=1e-5)
   assert not np.asarray(out)[np.asarray(seg) == 0].any()  # padding rows stay 0
 
@@ -73,25 +80,26 @@ def test_selected_keys_never_cross_a_document():
   # keys of other documents get huge indexer scores: a leak would select them
   ik = ik + 100.0 * (jnp.arange(length) % 2)[None, :, None]
   k1, v1 = k[:1], v[:1]
-  out = sparse.sparse(q[:1], k1, v1, iq, iw, ik, seg, seg, topk=4, chunk=16)[0]
+  fn = jitted(sparse.sparse, topk=4, chunk=16)
+  out = fn(q[:1], k1, v1, iq, iw, ik, seg, seg)[0]
   # changing keys/values outside a query's document cannot change its output
   row = np.asarray(seg[0])
   for s in np.unique(row[row > 0]):
     other = jnp.asarray(row != s)[None, :, None, None]
-    out2 = sparse.sparse(q[:1], jnp.where(other, 7.0, k1), jnp.where(other, -3.0, v1), iq, iw,
-                         ik, seg, seg, topk=4, chunk=16)[0]
+    out2 = fn(q[:1], jnp.where(other, 7.0, k1), jnp.where(other, -3.0, v1), iq, iw, ik, seg,
+              seg)[0]
     np.testing.assert_array_equal(np.asarray(out2[0, row == s]), np.asarray(out[0, row == s]))
 
 
 def test_warmup_kl_is_zero_when_the_indexer_matches_and_recall_is_one_with_full_topk():
   q, k, v, seg, _ = make_case(length=64, max_doc=20)
   iq, iw, ik = indexer_inputs(3, 64)
-  stats = sparse.warmup(q, k, iq, iw, ik, seg, seg, topk=64, chunk=16)
+  stats = jitted(sparse.warmup, topk=64, chunk=16)(q, k, iq, iw, ik, seg, seg)
   valid = float((np.asarray(seg) > 0).sum())
   assert float(stats["queries"]) == valid
   np.testing.assert_allclose(float(stats["recall"]) / valid, 1.0, rtol=1e-5)
   assert float(stats["kl"]) > 0
-  g = jax.grad(lambda iq: sparse.warmup(q, k, iq, iw, ik, seg, seg, topk=8)["kl"])(iq)
+  g = jax.jit(jax.grad(lambda iq: sparse.warmup(q, k, iq, iw, ik, seg, seg, topk=8)["kl"]))(iq)
   assert np.abs(np.asarray(g)).max() > 0
 
 
@@ -100,12 +108,13 @@ def test_block_selection_equals_dense_when_it_covers_every_visible_block():
   iq, iw, ik = indexer_inputs(3, 200)
 
   def run(fn):
-    return jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * w).sum(), argnums=(0, 1, 2))(
-        q, k, v)
+    return jax.jit(jax.value_and_grad(lambda q, k, v: (fn(q, k, v) * w).sum(),
+                                      argnums=(0, 1, 2)))(q, k, v)
 
   _, dense_g = run(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])
-  dense = reference.attention(q, k, v, seg, seg)[0]
-  out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208, block=16)
+  dense = jax.jit(lambda q, k, v: reference.attention(q, k, v, seg, seg)[0])(q, k, v)
+  out, _, stats = jitted(sparse_blocks.sparse_blocks, topk=208, block=16)(q, k, v, iq, iw, ik,
+                                                                          seg, seg)
   close(out, dense, 1e-5)
   grads = run(lambda q, k, v: sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=208,
                                                    block=16)[0])[1]
@@ -122,7 +131,8 @@ def test_block_selection_stays_in_the_document():
   q, k, v = q[:1], k[:1], v[:1]
   v = v + 1000.0 * seg[:, :, None, None]  # each document's values in a range of their own
   iq, iw, ik = indexer_inputs(1, length, seed=13)
-  out, _, stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=16, block=8)
+  out, _, stats = jitted(sparse_blocks.sparse_blocks, topk=16, block=8)(q, k, v, iq, iw, ik, seg,
+                                                                        seg)
   vis = np.asarray(reference.visible(seg, seg)).sum(-1)
   assert 0 < float(stats["selected"]) <= vis.sum()
   row = np.asarray(seg[0])
@@ -192,13 +202,13 @@ def test_block_selection_with_a_partial_selection_matches_masked_dense_attention
     return (out * w).sum() + stats["kl"], out
 
   args = (q, k, v, iq, iw, ik)
-  (lw, ow), gw = jax.value_and_grad(want, argnums=range(6), has_aux=True)(*args)
-  (lg, og), gg = jax.value_and_grad(got, argnums=range(6), has_aux=True)(*args)
+  (lw, ow), gw = jax.jit(jax.value_and_grad(want, argnums=range(6), has_aux=True))(*args)
+  (lg, og), gg = jax.jit(jax.value_and_grad(got, argnums=range(6), has_aux=True))(*args)
   close(og, ow, 1e-5)
   close(lg, lw, 1e-5)
   for a, b in zip(gg, gw):
     close(a, b, 1e-5)
-  stats = sparse_blocks.sparse_blocks(*args, seg, seg, topk=topk, block=c)[2]
+  stats = jitted(sparse_blocks.sparse_blocks, topk=topk, block=c)(*args, seg, seg)[2]
   assert float(stats["selected"]) == mask.sum()
 
 
@@ -207,18 +217,18 @@ def test_block_recall_is_the_dense_mass_on_the_selected_keys():
   q, k, v, seg, _ = make_case(length=length, max_doc=60, seed=23)
   iq, iw, ik = indexer_inputs(3, length, seed=24)
   mask, vis = brute_force_block_mask(seg, iq, iw, ik, topk, c)
-  _, probs = masked_attention(q, k, v, vis)
+  _, probs = jax.jit(masked_attention)(q, k, v, vis)
   mass = np.asarray(probs).mean(axis=1)  # [B, L, L], mean over heads
   per_query = (mass * mask).sum(-1)
   valid = np.asarray(seg) > 0
-  stats = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c,
-                                      recall_blocks=length // c)[2]  # every block
+  stats = jitted(sparse_blocks.sparse_blocks, topk=topk, block=c, recall_blocks=length // c)(
+      q, k, v, iq, iw, ik, seg, seg)[2]  # every block
   assert float(stats["recall_queries"]) == valid.sum()
   np.testing.assert_allclose(float(stats["recall"]), per_query[valid].sum(), rtol=1e-5)
   assert per_query[valid].mean() < 0.999  # a partial selection: recall is informative
   # a sample of 2 blocks: blocks 3 and 9 of 12, as documented
-  two = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c,
-                                    recall_blocks=2)[2]
+  two = jitted(sparse_blocks.sparse_blocks, topk=topk, block=c, recall_blocks=2)(
+      q, k, v, iq, iw, ik, seg, seg)[2]
   rows = np.zeros(length, bool)
   rows[3 * c:4 * c] = rows[9 * c:10 * c] = True
   np.testing.assert_allclose(float(two["recall"]), per_query[valid & rows].sum(), rtol=1e-5)
@@ -236,13 +246,13 @@ def test_block_selection_is_packing_invariant_for_block_aligned_documents():
   seg = np.zeros((1, length), np.int32)
   seg[0, 0:40], seg[0, 43:52], seg[0, 56:120], seg[0, 121:126] = 1, 2, 3, 4
   seg = jnp.asarray(seg)
-  out = sparse_blocks.sparse_blocks(q, k, v, iq, iw, ik, seg, seg, topk=topk, block=c)[0]
+  fn = jitted(sparse_blocks.sparse_blocks, topk=topk, block=c)  # one compile per length
+  out = fn(q, k, v, iq, iw, ik, seg, seg)[0]
   # aligned and longer than k; unaligned but within k - c + 1 keys (2 and 1 blocks)
   for a, n in ((0, 40), (56, 64), (43, 9), (121, 5)):
     take = lambda x: x[:, a:a + n]  # noqa: E731
     one = jnp.ones((1, n), jnp.int32)
-    alone = sparse_blocks.sparse_blocks(take(q), take(k), take(v), take(iq), take(iw),
-                                        take(ik), one, one, topk=topk, block=c)[0]
+    alone = fn(take(q), take(k), take(v), take(iq), take(iw), take(ik), one, one)[0]
     close(alone[0], out[0, a:a + n], 1e-5)
 
 
