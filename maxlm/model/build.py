@@ -36,8 +36,30 @@ def _dummy(model, seq_len):
   return z, z, z + 1
 
 
+_ABSTRACT = {}  # (id(model), seq_len) -> (model, its abstract variables)
+
+
+def abstract_variables(model, seq_len=8):
+  """jax.eval_shape of model.init, boxed with logical axis names. Traced once per model object
+  and length: tracing a scanned model's init takes about a second on a CPU, and a stage asks for
+  it four times (shardings, parameter shapes, the MoE bias, the sparse stage's growth)."""
+  key = (id(model), seq_len)
+  hit = _ABSTRACT.get(key)
+  if hit is None or hit[0] is not model:
+    if len(_ABSTRACT) >= 32:
+      _ABSTRACT.clear()
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy(model, seq_len)))
+    hit = _ABSTRACT[key] = (model, variables)
+  return hit[1]
+
+
+def abstract_params(model, seq_len=8):
+  """The parameters' shapes and dtypes (jax.ShapeDtypeStruct leaves), unboxed."""
+  return nn.meta.unbox(abstract_variables(model, seq_len)["params"])
+
+
 def param_shardings(model, mesh, rules, seq_len=8):
-  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy(model, seq_len)))
+  abstract = abstract_variables(model, seq_len)
   specs = nn.get_partition_spec(abstract)
   return nn.logical_to_mesh_sharding(specs, mesh, mesh_lib.rules_list(rules))["params"]
 
@@ -60,8 +82,7 @@ def init_params_abstract(model, seq_len=8):
 
 def abstract_collection(model, name, seq_len=8):
   """The variable collection `name` of an abstract init, unboxed ({} if the model has none)."""
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy(model, seq_len)))
-  return nn.meta.unbox(variables.get(name, {}))
+  return nn.meta.unbox(abstract_variables(model, seq_len).get(name, {}))
 
 
 def init_params(model, rng, mesh, rules, seq_len=8):

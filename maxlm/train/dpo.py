@@ -173,7 +173,7 @@ def reference_params(config, data, vocab, init_from, model, shardings, seq_len, 
 
   def put(keys, array):
     return jax.make_array_from_callback(array.shape, where[keys], lambda index: array[index])
-  like = jax.eval_shape(lambda: build.init_params_abstract(model, seq_len))
+  like = build.abstract_params(model, seq_len)
   params = init_lib.params(source, model.cfg, like, put)
   log(f"DPO reference model: {spec} (frozen)")
   return params

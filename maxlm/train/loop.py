@@ -139,7 +139,7 @@ def _state_shardings(model, opt, mesh, rules, seq_len):
   params = build.param_shardings(model, mesh, rules, seq_len)
   abstract_params = jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      jax.eval_shape(lambda: build.init_params_abstract(model, seq_len)), params)
+      build.abstract_params(model, seq_len), params)
   scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   # AdamW's moments are sharded as their parameters, its counters replicated. (XLA left to
   # choose replicates the moments: zeros_like does not depend on the sharded input.)

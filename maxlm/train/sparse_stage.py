@@ -53,7 +53,7 @@ def _merge(fresh, old):
 def grow(state, model, opt, mesh, rules, seed, seq_len, shardings):
   """The state with the stage model's missing (indexer) parameters and their optimizer state
   added; the state itself when nothing is missing."""
-  want = jax.eval_shape(lambda: build.init_params_abstract(model, seq_len))
+  want = build.abstract_params(model, seq_len)
   if (jax.tree_util.tree_structure(want)
       == jax.tree_util.tree_structure(state["params"])):
     return state
