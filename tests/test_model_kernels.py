@@ -109,6 +109,21 @@ def test_triton_reports_the_max_logit_from_inside_the_kernel():
   assert np.isclose(float(peak), float(want), rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 48])
+def test_one_cached_splash_kernel_serves_two_jitted_functions(window):
+  """A train step and an eval step at the same length share the cached kernel: the second
+  trace must not meet values left by the first (it raised UnexpectedTracerError)."""
+  q, k, v, seg, _ = inputs(128, heads=2, kv_heads=1, dim=16, seed=window)
+  call = lambda q: attention(q, k, v, seg, impl="splash_causal", block_q=128, block_k=128,
+                             window=window)
+  out = jax.jit(call)(q)
+  total, grad = jax.jit(jax.value_and_grad(lambda q: call(q).sum()))(q)
+  want, _ = reference.attention(q, k, v, seg, seg, window=window)
+  np.testing.assert_allclose(out, want, atol=2e-5)
+  np.testing.assert_allclose(total, want.sum(), rtol=1e-5)
+  assert grad.shape == q.shape and bool(jnp.isfinite(grad).all())
+
+
 def test_ranges_stay_correct_on_unsorted_segments():
   """Segments that restart and padding in the middle: the ranges are a superset, still exact."""
   rng = np.random.default_rng(3)

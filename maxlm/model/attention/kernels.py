@@ -27,6 +27,14 @@ def _pad_to(x, block, axis=1):
 
 @functools.lru_cache(maxsize=32)
 def _splash_kernel(length, groups, block, interpret, window):
+  """Cached, so it is built outside any trace (ensure_compile_time_eval): the kernel holds its
+  mask tables as arrays, and one made inside the first jit would hand that trace's values to
+  the next function that uses it (a train step and an eval step at the same length)."""
+  with jax.ensure_compile_time_eval():
+    return _make_splash_kernel(length, groups, block, interpret, window)
+
+
+def _make_splash_kernel(length, groups, block, interpret, window):
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as sk, splash_attention_mask as sm)
   one = (sm.LocalMask((length, length), window_size=(window - 1, 0), offset=0) if window
