@@ -353,6 +353,7 @@ def test_the_local_attention_bench_runs_small(capsys):
   assert bench_local_attention.main(["--json", "--lengths", "1024", "--window", "128",
                                      "--block", "128"]) == 0
   out = json.loads(capsys.readouterr().out)
+  assert not any("error" in case for case in out["cases"].values()), out["cases"]
   assert out["cases"]["local_1024"]["tiles"] == 1 + 2 * 7  # 8 blocks, one back each
   assert out["cases"]["global_1024"]["tiles"] == 8 * 9 // 2
   assert out["local_over_global"]["1024"]["tiles"] == round(15 / 36, 4)
