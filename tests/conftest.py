@@ -64,6 +64,25 @@ def _quiet_tqdm(monkeypatch):
   monkeypatch.setenv("TQDM_DISABLE", "1")
 
 
+@pytest.fixture
+def here(capsys):
+  """maxlm(...) in this process: cli.main's exit code and what it printed, as a subprocess's
+  CompletedProcess (argparse's refusals exit through SystemExit, as in a process), without a
+  fresh interpreter each time; a test keeps one real process per behaviour."""
+  import subprocess
+
+  def run(*args):
+    argv = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
+    capsys.readouterr()
+    try:
+      code = cli.main(argv)
+    except SystemExit as e:
+      code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+  return run
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory):
   """A prepared data dir from the demo's embedded corpus (prose and code), smaller."""

@@ -56,22 +56,6 @@ def test_which_checkpoint_a_step_is_replayed_from(run):
     trace.trace(run, 11, log=lambda *_: None)
 
 
-@pytest.fixture
-def here(capsys):
-  """maxlm(...) through cli.main in this process, as a CompletedProcess: the commands' output
-  and exit codes without a fresh interpreter each (one of each command still runs as one)."""
-  def run(*args):
-    argv = [str(a) for a in args]
-    capsys.readouterr()
-    try:
-      code = cli.main(argv)
-    except SystemExit as e:
-      code = e.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out.out, out.err)
-  return run
-
-
 def test_trace_and_eval_commands_print_json(run, here):
   proc = maxlm("trace", run, "--step", 9, "--json")
   assert proc.returncode == 0, proc.stderr

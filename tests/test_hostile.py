@@ -24,22 +24,6 @@ def maxlm(*args):
                         capture_output=True, text=True, errors="replace")
 
 
-@pytest.fixture
-def here(capsys):
-  """maxlm(...) in this process: cli.main's exit code and what it printed, as a subprocess's
-  CompletedProcess (argparse's refusals exit through SystemExit, as in a process)."""
-  def run(*args):
-    argv = [os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in args]
-    capsys.readouterr()
-    try:
-      code = cli.main(argv)
-    except SystemExit as e:
-      code = e.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out.out, out.err)
-  return run
-
-
 def one_line_error(proc, *words):
   assert proc.returncode == 2, (proc.returncode, proc.stderr)
   lines = proc.stderr.strip().splitlines()
