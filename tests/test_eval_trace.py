@@ -1,10 +1,9 @@
 import json
 import math
-import subprocess
 
 import pytest
 
-from maxlm import MaxlmError, cli, config as config_lib
+from maxlm import MaxlmError, config as config_lib
 from maxlm.eval import trace
 from maxlm.train import metrics
 

@@ -5,7 +5,6 @@ least once from a real process; its further cases go through cli.main in this pr
 same parser, dispatch and error lines, without a fresh interpreter and JAX import each)."""
 
 import json
-import os
 import subprocess
 import sys
 
