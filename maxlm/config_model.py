@@ -61,10 +61,14 @@ class AttentionConfig:
   """Sliding-window (local) layers interleaved with global ones (docs/model.md)."""
   # a local layer's query sees the last `window` positions of its own document, itself included
   window: int = 0  # >= 0; 0: every layer global
-  # >= 0; with a window, layers n-1, 2n-1, ... are global (6: Gemma's 5 local : 1 global);
-  # 0: every layer is local (Mistral)
+  # >= 0, not 1 with a window; with a window, layers n-1, 2n-1, ... are global (6: Gemma's
+  # 5 local : 1 global); 0: every layer is local (Mistral)
   global_every: int = 0
 
   def check(self, key):
     in_range(f"{key}.window", self.window, 0, MAX_SEQ_LEN)
     at_least(f"{key}.global_every", self.global_every, 0)
+    if self.window and self.global_every == 1:
+      raise ConfigError(f"{key}.global_every: 1 makes every layer global, so {key}.window="
+                        f"{self.window} is never used; expected 0 (every layer local) or >= 2, "
+                        f"or {key}.window=0 for all-global")

@@ -260,6 +260,8 @@ def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
       "init.from=runs/x"], "model.moe.balance=bias with a dpo/grpo stage"),
     (["model.moe.experts=4", "model.moe.every=3", "stages.0.objective=grpo"],
      "model.moe.every: 3 leaves no MoE layer"),
+    (["model.attention.window=16", "model.attention.global_every=1"],
+     "model.attention.global_every: 1 makes every layer global"),
 ])
 def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, message):
   with pytest.raises(config.ConfigError) as e:
