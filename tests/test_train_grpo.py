@@ -28,6 +28,11 @@ def test_advantages_are_group_normalized_and_zero_for_equal_rewards():
   assert adv[1].tolist() == [0.0, 0.0, 0.0, 0.0] and flat == 1
   std = np.sqrt((3 * 0.75**2 + 2.25**2) / 4)
   assert np.allclose(adv[2], [-0.75 / std] * 3 + [2.25 / std])
+  with np.errstate(all="raise"):  # rewards near float's limit: the same advantages, finite
+    huge, flat = rewards.advantages([[1e308, -1e308, 0, 1e308], [-1e308] * 4])
+    assert huge.tolist() == rewards.advantages([[1, -1, 0, 1], [-1] * 4])[0].tolist()
+    assert flat == 1 and np.abs(huge[0]).max() > 0
+    assert rewards.moments([[1e308, -1e308, 1e308, 1e308]]) == (0.5e308, np.sqrt(0.75) * 1e308)
 
 
 def test_verifiers_exact_numeric_and_a_user_function(tmp_path, monkeypatch):

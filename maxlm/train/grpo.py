@@ -175,7 +175,8 @@ class Stage:
         state, m, old = self.update(state, placed, old, self.ref, jnp.int32(inner))
       m = {key: float(v) for key, v in jax.device_get(m).items()}
     lengths = [len(c) for grp in completions for c in grp]
-    m.update(reward_mean=float(r.mean()), reward_std=float(r.std()), zero_std_groups=flat,
+    reward_mean, reward_std = rewards_lib.moments(r)
+    m.update(reward_mean=reward_mean, reward_std=reward_std, zero_std_groups=flat,
              completion_len=float(np.mean(lengths)),
              truncated=float(np.mean([c[-1] != self.special.eos for grp in completions
                                       for c in grp])),

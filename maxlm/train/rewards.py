@@ -60,14 +60,29 @@ def _finite(value):
     return False
 
 
+def _scaled(r, axis=None):
+  """r divided by its largest magnitude (per row with axis=1) and that scale: any finite
+  rewards' mean and std are then finite (1e308's square is not)."""
+  scale = np.abs(r).max(axis=axis, keepdims=True)
+  scale = np.where(scale > 0, scale, 1.0)
+  return r / scale, scale
+
+
 def advantages(rewards_PxG):
-  """(advantages [P, G] float64, zero-std groups): (r - mean) / std per row, 0 where std is 0."""
-  r = np.asarray(rewards_PxG, np.float64)
+  """(advantages [P, G] float64, zero-std groups): (r - mean) / std per row, 0 where std is 0.
+  Advantages do not change when a group's rewards are scaled, so each row is scaled first."""
+  r, _ = _scaled(np.asarray(rewards_PxG, np.float64), axis=1)
   mean = r.mean(axis=1, keepdims=True)
   std = r.std(axis=1, keepdims=True)
   flat = std[:, 0] == 0
   safe = np.where(std > 0, std, 1.0)
   return np.where(std > 0, (r - mean) / safe, 0.0), int(flat.sum())
+
+
+def moments(rewards):
+  """(mean, population std) of all the step's rewards, finite for any finite rewards."""
+  r, scale = _scaled(np.asarray(rewards, np.float64).ravel())
+  return float(scale[0] * r.mean()), float(scale[0] * r.std())
 
 
 def pass_at_1(rewards_PxG):
