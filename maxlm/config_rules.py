@@ -17,6 +17,10 @@ def check_objectives_and_families(config):
   if objectives & {"dpo", "grpo"} and moe.experts and moe.balance == "bias":
     raise ConfigError("model.moe.balance=bias with a dpo/grpo stage: their forward passes route "
                       "without the balancing bias; post-train with balance=aux_loss or none")
+  for i, stage in enumerate(config.stages):
+    if moe.experts and stage.mesh.expert > 1 and moe.experts % stage.mesh.expert:
+      raise ConfigError(f"stages.{i}.mesh.expert={stage.mesh.expert}: model.moe.experts="
+                        f"{moe.experts} do not split over it; choose a divisor of the experts")
   if "dpo" in objectives and not config.init.from_:
     raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
                       "and are the frozen reference model (docs/pairs.md)")

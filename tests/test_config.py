@@ -262,10 +262,12 @@ def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
      "model.moe.every: 3 leaves no MoE layer"),
     (["model.attention.window=16", "model.attention.global_every=1"],
      "model.attention.global_every: 1 makes every layer global"),
+    (["model.moe.experts=6", "stages.0.mesh.expert=4"],
+     "stages.0.mesh.expert=4: model.moe.experts=6 do not split over it"),
 ])
 def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, message):
   with pytest.raises(config.ConfigError) as e:
     config.load("configs/demo.yaml", overrides)
   assert message in str(e.value) and "\n" not in str(e.value)
   config.load("configs/demo.yaml", [o for o in overrides  # without the culprit: fine
-                                    if not any(k in o for k in ("objective", "sparse", "every"))])
+                                    if not any(k in o for k in ("objective", "sparse", "every", "mesh"))])

@@ -51,3 +51,6 @@ def test_memory_command_prints_every_stage(tmp_path, capsys, monkeypatch):
   assert code == 0 and "s1024" in table and "activations" in table
   code = cli.main(["memory", "configs/demo.yaml", f"data.dir={tmp_path}"])
   assert code == 2 and "vocabulary size is unknown" in capsys.readouterr().err
+  code = cli.main(["memory", "configs/demo.yaml", "model.vocab_size=4096", "model.moe.experts=6",
+                   "stages.0.mesh.data=1", "stages.0.mesh.expert=-1", "--devices", "4"])
+  assert code == 2 and "6 experts do not split over mesh expert=4" in capsys.readouterr().err
