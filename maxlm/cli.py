@@ -51,9 +51,17 @@ def _parser():
   ap = _Parser(prog="maxlm", description="LLM pretraining on JAX. `maxlm COMMAND --help` "
                "explains a command; README.md lists them all.")
   sub = ap.add_subparsers(dest="command", required=True)
-
   cli_data.add_prepare_parser(sub)
+  _add_data_commands(sub)
+  _add_training_commands(sub)
+  cli_run.add_parsers(sub)
+  _add_sizing_and_demo(sub)
+  _describe(sub)
+  return ap
 
+
+def _add_data_commands(sub):
+  """The commands that read a data dir or a config's plan (their handlers: cli_data)."""
   p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
   p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
   p.add_argument("--png", metavar="FILE.png", help="also draw the funnel there")
@@ -96,6 +104,8 @@ def _parser():
   p.add_argument("--text", action="store_true",
                  help="also print the row's segments as decoded text, each named")
 
+
+def _add_training_commands(sub):
   p = sub.add_parser("train", help="train (or resume) the config's schedule in run_dir")
   _add_config(p)
   p.add_argument("--stop-after", type=int, default=None, metavar="N",
@@ -116,74 +126,8 @@ def _parser():
                  help="run each training as N local processes joined by jax.distributed "
                       "(on CPU over gloo), and kill all of them at once")
 
-  p = sub.add_parser("eval", help="held-out loss and bits per byte, per source")
-  p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
-  p.add_argument("--split", choices=("val", "train"), default="val",
-                 help="held-out documents, or training ones for comparison")
-  p.add_argument("--tokens", type=int, default=None,
-                 help="held-out tokens per source, whole documents (default: the run's "
-                      "train.eval_tokens)")
-  p.add_argument("--json", action="store_true",
-                 help="print {step, stage, seq_len, split, eval_tokens, small_tokens, sources: "
-                      "{name: {documents, tokens, bytes, nll, loss, bpb, small}}, all: {...}, "
-                      "positions: {name: {bucket: {tokens, loss}}}} as JSON, not a table "
-                      "(bpb = nll / ln 2 / bytes; buckets: maxlm/eval/positions.py)")
-  from maxlm.eval import long_eval
-  long_eval.add_arguments(p)
 
-  p = sub.add_parser("trace", help="a step's loss per document, replayed exactly from a "
-                     "checkpoint; or the loss spikes training flagged")
-  p.add_argument("run_dir", help="a run's folder (its config.yaml, checkpoints, metrics.jsonl)")
-  what = p.add_mutually_exclusive_group(required=True)
-  what.add_argument("--step", type=int, metavar="K",
-                    help="global step K as metrics.jsonl numbers it (0-based, across stages)")
-  what.add_argument("--spikes", action="store_true",
-                    help="list the steps flagged as loss spikes (train.spike_window, "
-                         "train.spike_sigmas)")
-  p.add_argument("--top", type=int, default=20, help="document pieces shown, worst first")
-  p.add_argument("--json", action="store_true",
-                 help="print {step, loss, documents: [{source, doc_id, start, end, "
-                      "loss_tokens, loss, ...}], rows, ...} (or {spikes: [...]}) as JSON")
-
-  p = sub.add_parser("generate", help="sample from a run's latest checkpoint (KV cache)")
-  p.add_argument("run_dir", help="a run's folder (its config.yaml and latest checkpoint)")
-  p.add_argument("--prompt", help="the text to continue")
-  p.add_argument("--prompts", metavar="FILE.jsonl",
-                 help='{"prompt", "gold"} lines (e.g. DATA_DIR/prompts.jsonl): sample answers '
-                      "and score them against gold (docs/pairs.md)")
-  p.add_argument("--verify", choices=("exact", "numeric"), default="exact",
-                 help="with --prompts: how the extracted answer is compared with gold")
-  p.add_argument("--samples", type=int, default=1, help="with --prompts: answers per prompt "
-                 "(reports pass@1 and pass@N)")
-  p.add_argument("--json", action="store_true", help="with --prompts: print the result as JSON")
-  p.add_argument("--max-tokens", type=int, default=64, help="tokens to sample at most")
-  p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-  p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest (0: all)")
-  p.add_argument("--top-p", type=float, default=1.0,
-                 help="then among the likeliest whose probability mass reaches p (1: all)")
-  p.add_argument("--seed", type=int, default=0, help="sampling seed")
-
-  p = sub.add_parser("export", help="a checkpoint as a Hugging Face folder (Llama, Ministral, Qwen2-MoE or GLM-4-MoE) "
-                     "(transformers loads it without maxlm; docs/interop.md)")
-  p.add_argument("run_dir", help="a run's folder (its config.yaml and checkpoints)")
-  p.add_argument("--out", required=True, help="the folder to write (local)")
-  p.add_argument("--step", type=int, default=None,
-                 help="the checkpoint to export (default: the newest intact one)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                 help="the weights' dtype in the safetensors files")
-  p.add_argument("--shard-size", type=float, default=2.0, metavar="GIB",
-                 help="largest safetensors file, in GiB; above it the weights are sharded "
-                      "with model.safetensors.index.json")
-  p.add_argument("--no-tokenizer", action="store_true",
-                 help="export the weights and configs alone (no tokenizer files)")
-  p.add_argument("--overwrite", action="store_true",
-                 help="replace an existing --out folder (once the export is complete)")
-
-  p = sub.add_parser("plot", help="PNG of a run's curves: loss (smoothed), val loss and bits "
-                     "per byte per source, lr, norms, max logit, MFU")
-  p.add_argument("run_dir", help="a run's folder (its metrics.jsonl)")
-  p.add_argument("--out", help="the PNG to write (default: RUN_DIR/curves.png)")
-
+def _add_sizing_and_demo(sub):
   p = sub.add_parser("sweep", help="choose a model size: iso-FLOP runs, fits, plot and a "
                                     "recommended config (docs/sizing.md)")
   _add_config(p)
@@ -206,8 +150,6 @@ def _parser():
   p = sub.add_parser("demo", help="the quickstart, on the CPU in a few minutes",
                      description=DEMO_DESCRIPTION)
   p.add_argument("--config", default="demo", help="the config to train (configs/NAME.yaml)")
-  _describe(sub)
-  return ap
 
 
 DEMO_DESCRIPTION = """\
