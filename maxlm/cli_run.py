@@ -268,7 +268,7 @@ def cmd_export(args):
 
 
 def cmd_plot(args):
-  from maxlm.cli_data import check_out_file
+  from maxlm.outputs import check_out_file
   from maxlm.train import plot
   out = args.out or io.join(args.run_dir, "curves.png")
   check_out_file("--out", out, ".png")

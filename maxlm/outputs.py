@@ -18,11 +18,13 @@ may sit at a run dir's top level (`maxlm plot` draws RUN_DIR/curves.png) but nev
 checkpoints or in a data dir.
 """
 
+import contextlib
 import json
 import os
+import pathlib
 import re
 
-from maxlm import MaxlmError
+from maxlm import MaxlmError, io
 
 RUN_DIR, DATA_DIR, EXPORT = "run dir", "data dir", "export"
 EXPORT_DIGESTS = "maxlm-export.json"
@@ -119,3 +121,50 @@ def check_file_output(flag, path, inputs=()):
     raise MaxlmError(f"{flag} {path} lies inside {part} {found[0]}: refusing to write there; "
                      "choose another place")
   return real
+
+
+def check_out_file(flag, path, suffix):
+  """The file a command writes ends in its format's suffix (the library would otherwise append
+  one, a file other than the one named, or refuse the name), and lands on nothing the user
+  needs (check_file_output below)."""
+  if path is None:
+    return
+  if not path.lower().endswith(suffix):
+    raise MaxlmError(f"{flag} {path}: give a file name ending in {suffix} (the file written is "
+                     f"{suffix[1:].upper()})")
+  if io.is_local(path):
+    check_file_output(flag, path)
+
+
+@contextlib.contextmanager
+def writing(path):
+  """A temporary name beside `path` (same suffix) to write, renamed to `path` once written:
+  whole or not at all, and a full disk or read-only folder is one line naming `path`. A path
+  that is not a regular file (/dev/stdout, a fifo) is written as it is, never replaced."""
+  tmp = f"{path}.tmp-{os.getpid()}{os.path.splitext(path)[1]}"
+  if special_file(path):
+    tmp = path
+  try:
+    ensure_parent(path)
+    yield tmp
+    if tmp != path:
+      os.replace(tmp, path)
+  except OSError as e:
+    raise MaxlmError(f"cannot write {path}: {e.strerror or e}"
+                     + (f" (errno {e.errno})" if e.errno else "")) from None
+  finally:
+    if tmp != path and os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def special_file(path):
+  """Whether `path` exists and is not a regular file (a device, a fifo, /dev/stdout)."""
+  import stat
+  try:
+    return not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
+  except OSError:
+    return False
+
+
+def ensure_parent(path):
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -175,12 +175,12 @@ def test_file_outputs_never_land_in_a_data_dir_or_checkpoints(run, demo_data, tm
 
 
 def test_a_file_output_is_whole_or_absent(tmp_path):
-  from maxlm import MaxlmError, cli_data
+  from maxlm import MaxlmError, outputs
   target = tmp_path / "b.npz"
   target.write_bytes(b"old")
   with pytest.raises(MaxlmError, match=r"cannot write .*b.npz: No space left on device "
                                        r"\(errno 28\)"):
-    with cli_data.writing(str(target)) as tmp:
+    with outputs.writing(str(target)) as tmp:
       with open(tmp, "wb") as f:
         f.write(b"half")
       raise OSError(28, "No space left on device")
