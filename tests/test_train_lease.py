@@ -8,9 +8,11 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
+from limits import HANG_S
 from maxlm import MaxlmError, io
 from maxlm.train import lease, metrics
 
@@ -73,7 +75,7 @@ def test_two_trainers_in_one_run_dir_one_is_refused(tmp_path, data_dir):  # noqa
   cmd = [sys.executable, "-m", "maxlm.cli", "train", str(path)]
   procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True) for _ in range(2)]
-  results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+  results = [(p.wait(timeout=HANG_S), p.stderr.read()) for p in procs]
   codes = sorted(code for code, _ in results)
   assert codes == [0, 2], results
   rows = metrics.read_jsonl(str(tmp_path / "run"))
@@ -81,16 +83,21 @@ def test_two_trainers_in_one_run_dir_one_is_refused(tmp_path, data_dir):  # noqa
 
 
 def test_object_store_lease_refuses_renews_expires_and_is_lost(monkeypatch):
-  monkeypatch.setenv("MAXLM_LEASE_TTL", "0.4")
+  monkeypatch.setenv("MAXLM_LEASE_TTL", "2")
   path = "memory://bucket/lease-test"
   first = lease.Lease(path).acquire()
   with pytest.raises(MaxlmError, match=r"is in use by pid \d+ on host .*, lease expires in"):
     lease.Lease(path).acquire()
-  time.sleep(0.8)  # two TTLs: the heartbeat kept it alive
+  expires = [json.loads(io.read_bytes(f"{path}/lease.json"))["expires"]]
+  deadline = time.time() + 60
+  while len(set(expires)) < 3 and time.time() < deadline:  # two beats renewed it
+    time.sleep(0.05)
+    expires.append(json.loads(io.read_bytes(f"{path}/lease.json"))["expires"])
+  assert len(set(expires)) == 3 and expires == sorted(expires)
   with pytest.raises(MaxlmError, match="is in use by"):
     lease.Lease(path).acquire()
   second = lease.Lease(path).acquire(force=True)
-  deadline = time.time() + 5
+  deadline = time.time() + 60
   while first.lost is None and time.time() < deadline:
     time.sleep(0.05)
   with pytest.raises(MaxlmError, match="lost the lease on run_dir memory://bucket/lease-test"):
@@ -144,3 +151,33 @@ def test_a_lease_file_that_is_a_symlink_is_refused_and_its_target_untouched(tmp_
   with pytest.raises(MaxlmError, match="cannot be opened as the run_dir's lease"):
     lease.Lease(tmp_path / "run").acquire()
   assert target.read_text() == "keep me"
+
+
+def test_a_forced_take_over_wins_over_a_beat_between_its_read_and_write(monkeypatch):
+  path = "memory://bucket/lease-race"
+  alive = {"host": "elsewhere", "pid": 1, "start": "then", "token": "beat",
+           "expires": time.time() + 60}
+  io.write_bytes(f"{path}/lease.json", json.dumps(alive).encode())
+  opened = lease.Lease._kv
+
+  class Racing:  # the store, with the holder's heartbeat landing right after our first read
+    def __init__(self, kv):
+      self.kv, self.beats = kv, 0
+
+    def read(self, key):
+      found = self.kv.read(key).result()
+      if not self.beats:
+        self.beats += 1
+        self.kv.write(key, json.dumps({**alive, "expires": time.time() + 60}).encode()).result()
+      return types.SimpleNamespace(result=lambda: found)
+
+    def write(self, *args, **kw):
+      return self.kv.write(*args, **kw)
+
+  monkeypatch.setattr(lease.Lease, "_kv", lambda self: Racing(opened(self)))
+  with pytest.raises(MaxlmError, match="is in use by"):
+    lease.Lease(path).acquire()
+  taken = lease.Lease(path).acquire(force=True)
+  assert json.loads(io.read_bytes(f"{path}/lease.json"))["token"] == taken.holder["token"]
+  taken.release()
+

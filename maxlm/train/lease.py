@@ -34,6 +34,7 @@ from maxlm.parallel import distributed
 
 NAME = "lease.json"
 _MISSING = b"\x02"  # the generation TensorStore reports for a key with no value
+FORCE_TRIES = 8  # a forced take-over re-reads and writes again if the lease changed between
 
 
 def ttl_seconds():
@@ -152,16 +153,19 @@ class Lease:
 
   def _acquire_object(self, force):
     kv = self._kv()
-    found = kv.read(NAME).result()
-    if found.state == "value":
-      other = _read_holder(found.value) or {"expires": 0}
-      left = float(other.get("expires", 0)) - time.time()
-      dead_here = (other.get("host") == socket.gethostname()
-                   and not io.process_alive(int(other.get("pid", -1))))
-      if left > 0 and not dead_here and not force:
-        _refuse(self.run_dir, other, f", lease expires in {left:.0f} s")
-    written = kv.write(NAME, self._record(), if_equal=found.stamp.generation).result()
-    if not written.generation:
+    for _ in range(FORCE_TRIES if force else 1):  # forced: a live holder's beat may land
+      found = kv.read(NAME).result()               # between our read and our write
+      if found.state == "value":
+        other = _read_holder(found.value) or {"expires": 0}
+        left = float(other.get("expires", 0)) - time.time()
+        dead_here = (other.get("host") == socket.gethostname()
+                     and not io.process_alive(int(other.get("pid", -1))))
+        if left > 0 and not dead_here and not force:
+          _refuse(self.run_dir, other, f", lease expires in {left:.0f} s")
+      written = kv.write(NAME, self._record(), if_equal=found.stamp.generation).result()
+      if written.generation:
+        break
+    else:
       now = kv.read(NAME).result()
       holder = _read_holder(now.value) if now.state == "value" else {}
       _refuse(self.run_dir, holder, " (it took the lease at the same moment)")
