@@ -132,17 +132,20 @@ def test_config_errors_come_before_compiling(tmp_path, data_dir):
 
 def test_sigterm_saves_and_exits_zero(tmp_path, data_dir):
   path = small_config(tmp_path, data_dir, checkpoint_every=1000)
+  # paused after step 2 until the signal lands (maxlm/train/pause.py): it cannot finish first
+  env = {**os.environ, "MAXLM_PAUSE_AFTER": f"2:{tmp_path / 'never'}"}
   proc = subprocess.Popen([sys.executable, "-m", "maxlm.cli", "train", str(path)], cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   run_dir = tmp_path / "run"
   while proc.poll() is None and len(metrics.read_jsonl(str(run_dir))) < 3:
     time.sleep(0.05)
+  assert proc.poll() is None, proc.communicate()
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=HANG_S)
   assert proc.returncode == 0, err
   assert "SIGTERM" in out
   steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-  assert steps and steps[-1] == len(metrics.read_jsonl(str(run_dir)))
+  assert steps == [len(metrics.read_jsonl(str(run_dir)))] == [4]  # saved where it stopped
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
