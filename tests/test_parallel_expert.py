@@ -18,6 +18,7 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.model import build, moe
 from maxlm.parallel import expert, mesh as mesh_lib
 from maxlm.typed_yaml import ConfigError
+from limits import HANG_S
 import xlaflags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_mesh_expert_axis_sizes():
 def test_gpu_moe_check_dry_run_measures_and_agrees(tmp_path):
   """tools/gpu_moe_check.sh --dry-run: the device check's code at tiny sizes on the CPU."""
   proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_moe_check.sh"), str(tmp_path),
-                         "--dry-run"], capture_output=True, text=True, timeout=600)
+                         "--dry-run"], capture_output=True, text=True, timeout=HANG_S)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   report = json.loads((tmp_path / "gpu_moe.json").read_text())
   assert report["dry_run"] and report["devices"] == 8 and report["dispatch"]["expert_axis"] == 8
@@ -220,7 +221,7 @@ def test_maxlm_train_of_a_moe_model_on_fsdp2_x_expert4_matches_one_device(tmp_pa
     env = {**os.environ, "XLA_FLAGS": xlaflags.flags(devices)}
     proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "train", str(config),
                            f"run_dir={run}", *mesh], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=900)
+                          env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     metrics[devices] = [json.loads(line) for line in (run / "metrics.jsonl").read_text()
                         .splitlines() if '"loss"' in line]

@@ -150,7 +150,7 @@ def test_a_tiny_sweep_is_deterministic_and_resumes_after_a_kill(demo_data, tmp_p
   proc = subprocess.Popen(_sweep_cmd(demo_data, out), cwd=cwd, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
   second = out / "runs" / "c1e10_24x1" / "metrics.jsonl"
-  deadline = time.time() + 300
+  deadline = time.time() + HANG_S
   while proc.poll() is None and not second.exists() and time.time() < deadline:
     time.sleep(0.1)
   assert proc.poll() is None, "the sweep ended before its second point started"
