@@ -4,6 +4,7 @@ or a stop, and that --corrupt flips one bit that provably fails the checksums, o
 
 import pathlib
 import shutil
+import types
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_pause_holds_until_a_stop_or_the_file(tmp_path, monkeypatch):
     polls.append(1)
     if len(polls) == 3:
       stop.signal = "SIGINT"
-  monkeypatch.setattr(pause.time, "sleep", sleep)
+  monkeypatch.setattr(pause, "time", types.SimpleNamespace(sleep=sleep))  # pause's polls only
   pause.maybe_wait(2, stop)  # another step: no pause
   assert polls == []
   pause.maybe_wait(3, stop)
