@@ -190,7 +190,7 @@ def test_a_dead_peer_ends_the_others_with_one_line_and_a_rerun_resumes(config, r
                                                                       tmp_path):
   run_dir = tmp_path / "run"
   # a peer timeout a starved heartbeat thread cannot reach on a loaded machine
-  procs = start(config, run_dir, 2, env={"MAXLM_PEER_TIMEOUT": "10", **paused_after(2, tmp_path)})
+  procs = start(config, run_dir, 2, env={"MAXLM_PEER_TIMEOUT": "20", **paused_after(2, tmp_path)})
   wait_for_step(run_dir, 2, procs)  # both wait there: the job holds its lease until killed
   holder = json.loads((run_dir / "lease.json").read_text())["pid"]
   for code, _, err in finish(start(config, run_dir, 2)):  # a second job on the same run_dir:
