@@ -48,6 +48,14 @@ def token_axes(rules, mesh_axes):
   return batch + length
 
 
+def check_split(n_experts, n):
+  """The routed experts split evenly over the mesh's expert axis of n devices (the step and
+  `maxlm memory` ask alike)."""
+  if n_experts % n:
+    raise MaxlmError(f"{n_experts} experts do not split over mesh expert={n}; choose "
+                     "model.moe.experts divisible by it")
+
+
 def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
                     impl=None, *, mesh, batch_axes=None):
   """`moe.experts_grouped` with the experts split over the mesh's `expert` axis.
@@ -56,9 +64,7 @@ def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
   the expert axis is added if missing. T must divide by their product, E by the expert axis."""
   n = mesh.shape[EXPERT_AXIS]
   n_experts = gate_up_ExDx2xF.shape[0]
-  if n_experts % n:
-    raise MaxlmError(f"{n_experts} experts do not split over mesh expert={n}; choose "
-                     "model.moe.experts divisible by it")
+  check_split(n_experts, n)
   if batch_axes is None:
     batch_axes = token_axes(None, mesh.axis_names)
   axes = tuple(batch_axes) if EXPERT_AXIS in batch_axes else tuple(batch_axes) + (EXPERT_AXIS,)
