@@ -1,5 +1,5 @@
-"""Assembly: a row of planned pieces + the token store -> the five arrays of the batch contract
-(docs/batch.md).
+"""Assembly: a row of planned pieces + the token store -> the six arrays of the batch contract
+(docs/batch.md): inputs, targets, segment_ids, positions, loss_mask and roles (FIELDS).
 
 Each piece becomes the segment [BOS if it starts the document] + context + body + [EOS if it
 ends it], its body FIM-rearranged when planned so; `inputs = s[:-1]` and `targets = s[1:]` are

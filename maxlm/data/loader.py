@@ -69,7 +69,8 @@ def _check_fim_sources(config, sources):
 
 
 class HostRows:
-  """Host-local row j of a stage -> the row's five arrays (picklable for Grain workers)."""
+  """Host-local row j of a stage -> the row's six arrays, assemble.FIELDS (picklable for Grain
+  workers)."""
 
   def __init__(self, data, s, host, hosts):
     self.store, self.special = data.store, data.special
