@@ -91,3 +91,16 @@ def demo_data(tmp_path_factory):
   raw = corpus.build(str(root / "raw"), bytes_per_source=300_000)
   prepare.prepare(raw, str(root / "data"), vocab_size=1024, progress=False)
   return root / "data"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  """A synthetic data dir (prose and code, 10% held out) for tests/smallrun.py's small_config;
+  one per test module. A module that needs other data defines its own data_dir."""
+  import numpy as np
+  import datagen
+  rng = np.random.default_rng(0)
+  lengths = rng.lognormal(np.log(40), 0.8, 200).astype(int) + 1
+  sources = ["prose" if i % 2 else "code" for i in range(len(lengths))]
+  return datagen.write_data_dir(tmp_path_factory.mktemp("train") / "data",
+                                datagen.make_docs(lengths, sources), val_fraction=0.1)

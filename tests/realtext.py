@@ -17,7 +17,7 @@ import subprocess
 import sysconfig
 import textwrap
 
-import test_data_quality as planted
+import planted
 from limits import HANG_S
 
 MIN_CHARS, MAX_CHARS = 1500, 60_000

@@ -12,7 +12,7 @@ from maxlm.data import prepare, quality, store
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import realtext  # noqa: E402
-import test_data_quality as planted  # noqa: E402
+import planted  # noqa: E402
 
 
 def maxlm(*args):

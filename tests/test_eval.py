@@ -3,29 +3,16 @@ import math
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from maxlm import config as config_lib
-from maxlm.config import MeshConfig
 from maxlm.data import loader, store, tokenizer
 from maxlm.eval import bpb, generate, windows
-from maxlm.model import build
-from maxlm.parallel import mesh as mesh_lib
 
 import datagen
-
-
-def tiny_model():
-  cfg = config_lib.from_dict({
-      "model": {"size": "tiny", "vocab_size": 64, "dtype": "float32", "d_model": 32,
-                "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64},
-      "stages": [{"seq_len": 32, "batch": 1, "steps": 1, "attention": "reference"}]})
-  mesh = mesh_lib.make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1])
-  model = build.model_for(cfg, 0, mesh)
-  return cfg, mesh, model, build.init_params(model, jax.random.key(3), mesh, cfg.rules, 32)
+from smallrun import tiny_model
 
 
 def test_kv_cache_greedy_equals_full_recompute():

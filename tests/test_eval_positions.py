@@ -8,7 +8,6 @@ from maxlm.data import assemble, loader
 from maxlm.eval import positions
 
 import datagen
-from test_train import data_dir  # noqa: F401 (the data fixture)
 
 
 def test_buckets_are_powers_of_four_from_64_ending_at_the_stage_length():
@@ -100,10 +99,10 @@ def test_documents_are_the_longest_held_out_within_the_budget(tmp_path):
       n: {b: e["loss"] for b, e in cells.items()} for n, cells in table.items()}
 
 
-def test_every_evaluation_logs_loss_by_position_per_source(tmp_path_factory, data_dir):  # noqa: F811
+def test_every_evaluation_logs_loss_by_position_per_source(tmp_path_factory, data_dir):
   """Training's evaluations (maxlm/train/loop.py) write val_pos_loss/<source>/<bucket>."""
   from maxlm.train import loop, metrics
-  from test_train import small_config
+  from smallrun import small_config
   tmp = tmp_path_factory.mktemp("positions")
   cfg = config_lib.load(str(small_config(tmp, data_dir)))
   loop.train(cfg, log=lambda *_: None)

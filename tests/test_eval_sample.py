@@ -15,7 +15,7 @@ from maxlm.eval import generate, sample
 from maxlm.model import build
 from maxlm.parallel import mesh as mesh_lib
 
-from test_eval import tiny_model
+from smallrun import tiny_model
 
 PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41]]
 

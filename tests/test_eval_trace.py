@@ -7,11 +7,11 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.eval import trace
 from maxlm.train import metrics
 
-from test_train import data_dir, maxlm, small_config  # noqa: F401 (the module's data fixture)
+from smallrun import maxlm, small_config
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, data_dir):  # noqa: F811
+def run(tmp_path_factory, data_dir):
   """A demo-like run (two sources, FIM, two stages) with micro-batches, a z-loss and a skip;
   keep=2 so early steps are replayed from the initial parameters."""
   from maxlm.train import loop

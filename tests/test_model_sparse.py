@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxlm.model.attention import reference, sparse, sparse_blocks
-from test_model_attention import close, make_case, packed_segments
+from attncases import close, make_case, packed_segments
 from limits import HANG_S
 
 

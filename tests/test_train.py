@@ -1,6 +1,5 @@
 import json
 import os
-import pathlib
 import shutil
 import signal
 import subprocess
@@ -14,40 +13,9 @@ import yaml
 from maxlm import MaxlmError, config as config_lib
 from maxlm.train import metrics, optimizer, plot, verify
 
-import datagen
 from limits import HANG_S
+from smallrun import ROOT, maxlm, small_config  # the data_dir fixture: tests/conftest.py
 import xlaflags
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def small_config(tmp, data_dir, **train):
-  raw = {
-      "seed": 0, "run_dir": str(tmp / "run"),
-      "data": {"dir": data_dir, "mix": {"prose": 0.5, "code": 0.5}, "overlap": 4,
-               "shuffle_rows": 8, "block_rows": 64, "fim": {"rate": 0.2, "sources": ["code"]}},
-      "stages": [{"seq_len": 32, "batch": 8, "steps": 6}, {"seq_len": 64, "batch": 8, "steps": 5}],
-      "model": {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32,
-                "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64, "loss_chunk": 32},
-      "train": {"lr": 0.01, "warmup_steps": 2, "checkpoint_every": 3, "eval_every": 4,
-                "eval_tokens": 256, **train}}
-  path = tmp / "cfg.yaml"
-  path.write_text(yaml.safe_dump(raw))
-  return path
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  rng = np.random.default_rng(0)
-  lengths = rng.lognormal(np.log(40), 0.8, 200).astype(int) + 1
-  sources = ["prose" if i % 2 else "code" for i in range(len(lengths))]
-  return datagen.write_data_dir(tmp_path_factory.mktemp("train") / "data",
-                                datagen.make_docs(lengths, sources), val_fraction=0.1)
-
-
-def maxlm(*args, **kw):
-  return subprocess.run([sys.executable, "-m", "maxlm.cli", *map(str, args)],
-                        capture_output=True, text=True, cwd=ROOT, **kw)
 
 
 def test_schedule_is_continuous_and_decay_skips_norms():

@@ -14,7 +14,7 @@ import pytest
 from maxlm.train import console, metrics
 
 import datagen
-from test_train import ROOT, small_config
+from smallrun import ROOT, small_config
 from limits import HANG_S
 
 

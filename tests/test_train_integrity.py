@@ -19,7 +19,7 @@ from maxlm.data import plan
 from maxlm.train import checkpoint, integrity, loop, metrics, verify
 
 import datagen
-from test_train import ROOT, data_dir, small_config  # noqa: F401 (data_dir: a fixture)
+from smallrun import ROOT, small_config
 from limits import HANG_S
 
 

@@ -16,7 +16,7 @@ from limits import HANG_S
 from maxlm import MaxlmError, io
 from maxlm.train import lease, metrics
 
-from test_train import ROOT, data_dir, small_config  # noqa: F401 (data_dir: a fixture)
+from smallrun import ROOT, small_config
 
 HOLD = ("import sys, time; from maxlm.train import lease; "
         "held = lease.Lease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)")
@@ -29,7 +29,7 @@ def hold_in_child(run_dir):
   return proc
 
 
-def test_second_trainer_exits_2_naming_the_holder_and_writes_nothing(tmp_path, data_dir):  # noqa: F811
+def test_second_trainer_exits_2_naming_the_holder_and_writes_nothing(tmp_path, data_dir):
   path = small_config(tmp_path, data_dir)
   run_dir = tmp_path / "run"
   run_dir.mkdir()
@@ -70,7 +70,7 @@ def test_force_does_not_take_over_from_a_live_local_holder(tmp_path):
     holder.wait()
 
 
-def test_two_trainers_in_one_run_dir_one_is_refused(tmp_path, data_dir):  # noqa: F811
+def test_two_trainers_in_one_run_dir_one_is_refused(tmp_path, data_dir):
   path = small_config(tmp_path, data_dir)
   cmd = [sys.executable, "-m", "maxlm.cli", "train", str(path)]
   procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -22,7 +22,7 @@ from maxlm.sweep import grid
 from maxlm.train import console, moe_state, optimizer, resume, step as step_lib, verify
 from maxlm.train import metrics as metrics_lib
 
-from test_train import data_dir, small_config  # noqa: F401 (data_dir: a fixture)
+from smallrun import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.shared_experts=1",

@@ -13,7 +13,7 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.train import metrics, verify
 
 from limits import HANG_S
-from test_train import data_dir, small_config  # noqa: F401 (fixture)
+from smallrun import small_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LADDER = ["stages.0.steps=4", "stages.1.steps=4", "stages.1.sparse.mode=indexer_warmup",

@@ -10,7 +10,7 @@ from maxlm.data import loader
 from maxlm.train import metrics, spikes
 
 import datagen
-from test_train import data_dir, small_config  # noqa: F401 (the module's data fixture)
+from smallrun import small_config
 
 
 def test_a_spike_is_flagged_against_its_stages_trailing_window():
@@ -55,7 +55,7 @@ def test_spike_config_keys_are_checked():
       config_lib.from_dict({**base, "train": bad})
 
 
-def _config(tmp, data_dir, overrides=(), **train):  # noqa: F811
+def _config(tmp, data_dir, overrides=(), **train):
   tmp.mkdir(exist_ok=True)
   return config_lib.load(str(small_config(tmp, data_dir, **train)), list(overrides))
 
@@ -70,7 +70,7 @@ def _strip(row):
   return {k: v for k, v in row.items() if k not in ("tokens_per_s", "mfu")}
 
 
-def test_spikes_and_skips_are_resume_exact_in_training(tmp_path, data_dir):  # noqa: F811
+def test_spikes_and_skips_are_resume_exact_in_training(tmp_path, data_dir):
   """A tiny run with a spike rule tight enough to fire on ordinary noise, and a skip range:
   killed (stop_after) and resumed, every row is the uninterrupted run's, spike flags
   included; the recipe (move later checkpoints aside, add a skip) equals a run that had the

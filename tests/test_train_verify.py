@@ -11,7 +11,7 @@ import pytest
 from maxlm import MaxlmError, config as config_lib
 from maxlm.train import loop, pause, verify
 
-from test_train import data_dir, small_config  # noqa: F401 (data_dir: a fixture)
+from smallrun import small_config
 
 
 class _Stop:
