@@ -8,6 +8,7 @@ field's line states its range (every float must also be finite); `check` enforce
 
 import dataclasses
 import difflib
+import warnings
 
 from maxlm.config_checks import MAX_BATCH, MAX_MODEL_DIM, MAX_SEQ_LEN
 from maxlm.config_checks import above as _above, at_least as _at_least, in_range as _in_range
@@ -177,7 +178,10 @@ class TrainConfig:
   min_lr_ratio: float = 0.1  # in [0, 1]; the schedule ends at lr * min_lr_ratio
   warmup_steps: int = 20  # >= 0
   schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay)
-  decay_fraction: float = 0.2  # in [0, 1]; wsd: the share of all steps spent decaying
+  # wsd: the share of all steps, warmup included, spent decaying (the last
+  # round(steps * decay_fraction), at least 1 and none before warmup ends, falling linearly to
+  # lr * min_lr_ratio at the last step):
+  decay_fraction: float = 0.2  # in [0, 1]
   b1: float = 0.9  # in [0, 1); Adam (1 divides by zero in the bias correction)
   b2: float = 0.95  # in [0, 1)
   eps: float = 1e-8  # > 0
@@ -189,7 +193,6 @@ class TrainConfig:
   keep: int = 3  # >= 1; checkpoints kept
   eval_every: int = 50  # >= 0; steps between held-out evaluations (0: none; see maxlm eval)
   eval_tokens: int = 32768  # >= 1; held-out tokens per source, the same text at every evaluation
-  eval_rows: int = 0  # >= 0; retired, ignored (train.eval_tokens replaced it): old configs load
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on
   spike_window: int = 32  # >= 0; trailing steps whose loss statistics flag a spike (0: off)
   spike_sigmas: float = 6.0  # > 0; a spike: loss > mean + spike_sigmas * std of that window
@@ -215,7 +218,7 @@ class TrainConfig:
     if self.schedule not in ("cosine", "wsd"):
       raise ConfigError(f"{key}.schedule: expected cosine or wsd, got {self.schedule!r}")
     _above(f"{key}.spike_sigmas", self.spike_sigmas, 0)
-    for name in ("warmup_steps", "eval_every", "spike_window", "eval_rows"):
+    for name in ("warmup_steps", "eval_every", "spike_window"):
       _at_least(f"{key}.{name}", getattr(self, name), 0)
     for name in ("grad_accum", "checkpoint_every", "keep", "eval_tokens"):
       _at_least(f"{key}.{name}", getattr(self, name), 1)
@@ -340,15 +343,38 @@ class Config:
     return self.stages[stage_index].objective or self.train.objective
 
 
+# (section, key) -> what replaced it: keys that old configs carry and nothing reads any more
+RETIRED = {("train", "eval_rows"): "train.eval_tokens replaced it"}
+
+
 def load(path, overrides=()):
-  """Reads a YAML config, applies `key=value` overrides and returns a validated `Config`."""
+  """Reads a YAML config, applies `key=value` overrides and returns a validated `Config`; a
+  retired key is dropped with a FutureWarning."""
   raw = read_yaml(path)
   for item in overrides:
     apply_override(raw, item)
+  raw, retired = _without_retired(raw)
+  for key, why in retired:
+    warnings.warn(f"{key} is retired and ignored ({why}): remove it from the config",
+                  FutureWarning, stacklevel=2)
   return from_dict(raw)
 
 
+def _without_retired(raw):
+  """(raw less the RETIRED keys, [(dotted key, what replaced it)] of those it had)."""
+  dropped = []
+  for (section, name), why in RETIRED.items():
+    part = raw.get(section)
+    if isinstance(part, dict) and name in part:
+      raw = {**raw, section: {k: v for k, v in part.items() if k != name}}
+      dropped.append((f"{section}.{name}", why))
+  return raw, dropped
+
+
 def from_dict(raw):
+  """A validated `Config` from parsed data; retired keys (saved in old checkpoints) are
+  dropped silently."""
+  raw, _ = _without_retired(raw)
   model = raw.get("model")
   if isinstance(model, dict):  # a named size fills in what the config does not set
     size = model.get("size", ModelConfig.size)

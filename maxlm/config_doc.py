@@ -205,10 +205,17 @@ def choices_section():
       f"- `stages.N.attention`: {', '.join(f'`{a}`' for a in config_lib.ATTENTION_IMPLS)}"])
 
 
+def retired_section():
+  rows = ["## Retired keys", "",
+          "Old configs that set one still load: it is ignored, with a warning.", ""]
+  rows += [f"- `{part}.{name}`: {why}" for (part, name), why in config_lib.RETIRED.items()]
+  return "\n".join(rows)
+
+
 def render():
   parts = [INTRO.rstrip("\n")]
   parts += [section(prefix, cls) for prefix, cls in sections()]
-  parts += [sizes_section(), choices_section(), rules_section()]
+  parts += [sizes_section(), choices_section(), rules_section(), retired_section()]
   return "\n\n".join(parts) + "\n"
 
 

@@ -41,8 +41,7 @@ def run(tmp_path_factory, demo_data):
          "data": {"dir": str(demo_data), "mix": {"prose": 0.6, "code": 0.4}, "overlap": 4,
                   "shuffle_rows": 8, "block_rows": 64},
          "stages": [{"seq_len": 32, "batch": 8, "steps": 4}], "model": MODEL,
-         "train": {"lr": 0.01, "warmup_steps": 1, "checkpoint_every": 2, "eval_every": 0,
-                   "eval_rows": 2}}
+         "train": {"lr": 0.01, "warmup_steps": 1, "checkpoint_every": 2, "eval_every": 0}}
   (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
   loop.train(config_lib.load(str(tmp / "cfg.yaml")), log=lambda *_: None)
   return tmp

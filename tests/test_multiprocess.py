@@ -49,8 +49,7 @@ def config(tmp_path_factory):
          "stages": [{"seq_len": 32, "batch": 8, "steps": STEPS}],
          "model": {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32,
                    "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64, "loss_chunk": 32},
-         "train": {"lr": 0.01, "warmup_steps": 2, "checkpoint_every": 2, "eval_every": 4,
-                   "eval_rows": 4}}
+         "train": {"lr": 0.01, "warmup_steps": 2, "checkpoint_every": 2, "eval_every": 4}}
   path = root / "cfg.yaml"
   path.write_text(yaml.safe_dump(raw))
   return path

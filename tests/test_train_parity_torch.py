@@ -25,13 +25,16 @@ _spec.loader.exec_module(parity_torch)
     ({"warmup_steps": 50}, 12),  # warmup longer than the run: cut to total - 1
     ({"warmup_steps": 3, "schedule": "wsd", "decay_fraction": 0.25}, 23),
     ({"warmup_steps": 2, "schedule": "wsd", "decay_fraction": 0.0}, 9),
+    ({"warmup_steps": 50, "schedule": "wsd", "decay_fraction": 0.2}, 100),
+    ({"warmup_steps": 15, "schedule": "wsd", "decay_fraction": 0.9}, 20),  # cut at warmup's end
+    ({"warmup_steps": 50, "schedule": "wsd"}, 12),
 ])
 def test_reference_schedule_equals_maxlms(train, total):
   cfg = config_lib.TrainConfig(**{**train, "lr": 2e-3})
   schedule = optimizer.lr_schedule(cfg, total)
   ours = np.array([float(schedule(k)) for k in range(total)])
   theirs = np.array([parity_torch.reference_lr(cfg, total, k) for k in range(total)])
-  assert np.allclose(ours, theirs, rtol=1e-6, atol=0), (ours, theirs)
+  assert np.allclose(ours, theirs, rtol=1e-5, atol=0), (ours, theirs)  # optax: float32
   assert theirs.max() == pytest.approx(2e-3)
 
 

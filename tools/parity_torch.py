@@ -131,18 +131,21 @@ def batches(config, steps):
 
 def reference_lr(train, total, step):
   """The schedule as docs/config.md states it: a linear warmup from lr / warmup_steps at step
-  0 to lr at step warmup_steps, then cosine (or WSD) to lr * min_lr_ratio at the last step."""
+  0 to lr at step warmup_steps, then cosine to lr * min_lr_ratio at step `total`, or WSD: lr
+  until its last round(total * decay_fraction) steps of the whole run (at least 1, none of
+  them before warmup has reached lr), which fall linearly to lr * min_lr_ratio at the last."""
   peak, floor = train.lr, train.lr * train.min_lr_ratio
   warmup = min(train.warmup_steps, max(total - 1, 0))
   if step < warmup:
     return peak / warmup + (peak - peak / warmup) * step / warmup
-  t, rest = step - warmup, max(total - warmup, 1)
   if train.schedule == "cosine":
+    t, rest = step - warmup, max(total - warmup, 1)
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(t, rest) / rest))
-  decay = max(int(rest * train.decay_fraction), 1)
-  if t < rest - decay:
+  decaying = min(max(round(total * train.decay_fraction), 1), total - 1 - warmup)
+  first_decaying = total - decaying
+  if step < first_decaying:
     return peak
-  return peak + (floor - peak) * min(t - (rest - decay), decay) / decay
+  return peak + (floor - peak) * (step - first_decaying + 1) / decaying
 
 
 def attention_mask(segment_ids_BxL, dtype):

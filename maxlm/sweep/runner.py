@@ -116,7 +116,6 @@ def _point_config(raw, shape, steps, run_dir, lr, eval_tokens):
   cfg["train"].update(lr=width_lr(shape.d_model) if lr is None else lr,
                       warmup_steps=max(1, round(0.05 * steps)), schedule="cosine",
                       eval_every=steps, checkpoint_every=max(1, steps // 4), keep=2)
-  cfg["train"].pop("eval_rows", None)
   if eval_tokens is not None:
     cfg["train"]["eval_tokens"] = eval_tokens
   return cfg

@@ -1,8 +1,10 @@
 """AdamW with a learning rate that runs continuously across all stages of the schedule.
 
-warmup -> cosine to lr * min_lr_ratio, or warmup -> stable -> linear decay (WSD) over the last
-`decay_fraction` of all steps. Weight decay skips norm scales and, unless configured, the
-embedding table and head. Gradients are clipped to global norm `clip`.
+warmup -> cosine to lr * min_lr_ratio, or warmup -> stable -> linear decay (WSD). WSD's decay
+is a share of the whole run, warmup included: its last round(total_steps * decay_fraction)
+steps (at least 1, and none before the step at which warmup reaches lr) fall linearly and the
+last step's lr is lr * min_lr_ratio. Weight decay skips norm scales and, unless configured,
+the embedding table and head. Gradients are clipped to global norm `clip`.
 """
 
 import jax
@@ -12,16 +14,30 @@ import optax
 def lr_schedule(train, total_steps):
   peak, floor = train.lr, train.lr * train.min_lr_ratio
   warmup = min(train.warmup_steps, max(total_steps - 1, 0))
-  rest = max(total_steps - warmup, 1)
   if train.schedule == "cosine":
-    after = optax.cosine_decay_schedule(peak, rest, alpha=train.min_lr_ratio)
+    after = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1),
+                                        alpha=train.min_lr_ratio)
   else:
-    decay = max(int(rest * train.decay_fraction), 1)
-    after = optax.join_schedules(
-        [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
-        [rest - decay])
+    after = _stable_then_decay(peak, floor, total_steps - 1 - warmup,
+                               _decay_steps(train, total_steps, warmup))
   return optax.join_schedules([optax.linear_schedule(peak / max(warmup, 1), peak, warmup),
                                after], [warmup])
+
+
+def _decay_steps(train, total_steps, warmup):
+  """WSD's steps below peak: round(total_steps * decay_fraction), at least 1, at most the steps
+  after the one at which warmup reaches peak."""
+  after_peak = max(total_steps - 1 - warmup, 0)
+  return min(max(round(total_steps * train.decay_fraction), 1), after_peak)
+
+
+def _stable_then_decay(peak, floor, last, decay):
+  """Counted from warmup's end: peak through step last - decay, then linear to floor at `last`."""
+  if decay == 0:
+    return optax.constant_schedule(peak)
+  return optax.join_schedules(
+      [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
+      [last - decay])
 
 
 def decay_mask(params, decay_embeddings):
