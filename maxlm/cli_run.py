@@ -108,7 +108,10 @@ def cmd_eval(args):
   if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
   from maxlm.eval import long_eval  # loss by position; passkey retrieval with --passkey
-  extra = long_eval.evaluate(args, nll, data, config, s, mesh, model, params, budget, split)
+  passkey = long_eval.Passkey(lengths=args.passkey_lengths, samples=args.passkey_samples,
+                              seed=args.passkey_seed, png=args.passkey_png)
+  extra = long_eval.evaluate(nll, data, config, s, mesh, model, params, budget, split,
+                             run_dir=args.run_dir, passkey=passkey if args.passkey else None)
   if args.json:
     print(json.dumps(bpb.jsonable({
         "step": step, "stage": s, "seq_len": stage.seq_len, "split": args.split,

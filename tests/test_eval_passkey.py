@@ -121,14 +121,12 @@ def test_exact_retrieval_is_what_greedy_decoding_emits():
 
 
 def test_passkey_lengths_default_to_powers_of_two_up_to_the_stage_and_bad_ones_are_one_line():
-  import argparse
   from maxlm import MaxlmError
   from maxlm.eval import long_eval
-  args = lambda text: argparse.Namespace(passkey_lengths=text)  # noqa: E731
-  assert long_eval.lengths(args(None), 1024) == [128, 256, 512, 1024]
-  assert long_eval.lengths(args("512,128,512"), 1024) == [128, 512]
+  assert long_eval.lengths(None, 1024) == [128, 256, 512, 1024]
+  assert long_eval.lengths("512,128,512", 1024) == [128, 512]
   for bad, match in (("64", "outside"), ("2048", "outside"), ("1k", "integers")):
     with pytest.raises(MaxlmError, match=match):
-      long_eval.lengths(args(bad), 1024)
+      long_eval.lengths(bad, 1024)
   with pytest.raises(MaxlmError, match="shorter than"):
-    long_eval.lengths(args(None), 64)
+    long_eval.lengths(None, 64)

@@ -2,6 +2,8 @@
 maxlm/eval/positions.py) and, with --passkey, the passkey retrieval grid and its heatmap
 (maxlm/eval/passkey.py)."""
 
+import dataclasses
+
 from maxlm import MaxlmError, io
 
 
@@ -17,20 +19,32 @@ def add_arguments(p):
   p.add_argument("--passkey-png", help="heatmap file (default: RUN_DIR/passkey.png)")
 
 
-def lengths(args, seq_len):
-  """The --passkey-lengths, checked against the stage's L."""
+@dataclasses.dataclass(frozen=True)
+class Passkey:
+  """What --passkey asks for: prompt lengths ("N,N,..." text; None: powers of two up to the
+  stage's L), prompts per cell, the seed of keys and haystacks, the heatmap file (None:
+  RUN_DIR/passkey.png)."""
+  lengths: str | None = None
+  samples: int = 4
+  seed: int = 0
+  png: str | None = None
+
+
+def lengths(requested, seq_len):
+  """The passkey prompt lengths: `requested` ("N,N,...", --passkey-lengths) checked against
+  the stage's L, or with None every length from passkey.lengths_up_to(seq_len)."""
   from maxlm.eval import passkey
-  if not args.passkey_lengths:
+  if not requested:
     found = passkey.lengths_up_to(seq_len)
     if not found:
       raise MaxlmError(f"--passkey: the stage's L={seq_len} is shorter than the shortest "
                        f"passkey prompt ({passkey.SHORTEST} tokens)")
     return found
   try:
-    out = sorted({int(n) for n in args.passkey_lengths.split(",")})
+    out = sorted({int(n) for n in requested.split(",")})
   except ValueError:
     raise MaxlmError(f"--passkey-lengths: expected integers separated by commas, got "
-                     f"{args.passkey_lengths!r}") from None
+                     f"{requested!r}") from None
   bad = [n for n in out if not passkey.SHORTEST <= n <= seq_len]
   if bad:
     raise MaxlmError(f"--passkey-lengths: {bad[0]} is outside [{passkey.SHORTEST}, {seq_len}] "
@@ -38,36 +52,41 @@ def lengths(args, seq_len):
   return out
 
 
-def evaluate(args, nll, data, config, s, mesh, model, params, budget, split):
-  """{"positions": {...}, "passkey": {...} with --passkey}; writes the heatmap."""
+def evaluate(nll, data, config, s, mesh, model, params, budget, split, *, run_dir,
+             passkey=None):
+  """{"positions": {...}, "passkey": {...} when `passkey` (a Passkey) is given}; writes the
+  heatmap."""
   from maxlm.eval import positions
   stage = config.stages[s]
   out = {"positions": positions.by_position(nll, data, stage.seq_len, stage.batch, budget,
                                             split)}
-  if getattr(args, "passkey", False):  # (callers without the --passkey flags)
-    if args.passkey_samples < 1:
-      raise MaxlmError(f"--passkey-samples must be >= 1, got {args.passkey_samples}")
-    grid = passkey_grid(args, data, config, s, mesh, model, params, split)
-    png = args.passkey_png or io.join(args.run_dir, "passkey.png")
-    from maxlm.eval import passkey
-    passkey.save_png(grid, png, f"{args.run_dir}: stage {s} (L={stage.seq_len}), "
-                     f"{args.passkey_samples} prompts per cell, seed {args.passkey_seed}")
+  if passkey is not None:
+    if passkey.samples < 1:
+      raise MaxlmError(f"--passkey-samples must be >= 1, got {passkey.samples}")
+    grid = passkey_grid(passkey, data, config, s, mesh, model, params, split)
+    png = passkey.png or io.join(run_dir, "passkey.png")
+    from maxlm.eval import passkey as passkey_lib
+    passkey_lib.save_png(grid, png, f"{run_dir}: stage {s} (L={stage.seq_len}), "
+                         f"{passkey.samples} prompts per cell, seed {passkey.seed}")
     out["passkey"], out["passkey_png"] = grid, png
   return out
 
 
-def passkey_grid(args, data, config, s, mesh, model, params, split):
+def passkey_grid(options, data, config, s, mesh, model, params, split):
+  """{length: {depth: accuracy}} of the Passkey `options` on `split`'s held-out text."""
   import jax
-  from maxlm.data import tokenizer
+  from maxlm.data import store, tokenizer
   from maxlm.eval import passkey
   from maxlm.parallel import mesh as mesh_lib
   stage = config.stages[s]
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   stream = passkey.haystack_tokens(data, split)
   if not len(stream):
-    raise MaxlmError(f"--passkey: the data has no {args.split} text to build haystacks from")
-  prompts = passkey.build(sp.encode, data.special.bos, stream, lengths(args, stage.seq_len),
-                          samples=args.passkey_samples, seed=args.passkey_seed)
+    name = "val" if split == store.VAL else "train"
+    raise MaxlmError(f"--passkey: the data has no {name} text to build haystacks from")
+  prompts = passkey.build(sp.encode, data.special.bos, stream,
+                          lengths(options.lengths, stage.seq_len), samples=options.samples,
+                          seed=options.seed)
   fn = jax.jit(passkey.make_predict(model, config.rules))
 
   def predict(batch, where):
