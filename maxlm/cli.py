@@ -253,8 +253,8 @@ def main(argv=None):
 _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still exits at once,
     # since a KeyboardInterrupt inside a C extension's import can crash the interpreter later
     "train": ("maxlm.train.loop",), "verify-restart": ("maxlm.train.loop",),
-    "eval": ("maxlm.eval.run",), "trace": ("maxlm.eval.trace",),
-    "generate": ("maxlm.eval.run", "maxlm.eval.generate"),
+    "eval": ("maxlm.train.open_run",), "trace": ("maxlm.train.trace",),
+    "generate": ("maxlm.train.open_run", "maxlm.eval.generate"),
     "demo": ("maxlm.demo",), "prepare": ("maxlm.data.prepare",),
     "ledger": ("maxlm.data.loader",), "batches": ("maxlm.data.loader",),
     "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",),

@@ -1,5 +1,5 @@
 """`maxlm memory CONFIG`: the per-device memory estimate of every stage, for the config's mesh
-(maxlm/parallel/memory.py), and with --compiled XLA's accounting of the compiled step beside it.
+(maxlm/train/memory.py), and with --compiled XLA's accounting of the compiled step beside it.
 Memory counts every parameter (all experts of an MoE model); the total and the active count
 (what a token goes through, which FLOPs count) are printed below the table."""
 
@@ -25,7 +25,7 @@ def add_parser(sub, add_config):
 
 def cmd_memory(args):
   import jax
-  from maxlm.parallel import memory
+  from maxlm.train import memory
   cfg = config_lib.load(args.config, args.overrides)
   devices = args.devices or len(jax.devices())
   if devices < 1:

@@ -88,10 +88,11 @@ def _add_generate_export_and_plot(sub):
 def cmd_eval(args):
   import jax
   from maxlm.data import store
-  from maxlm.eval import bpb, run
+  from maxlm.eval import bpb
+  from maxlm.train import open_run
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
-  config, data, s, mesh, model, params, step, collections = run.open_run(args.run_dir)
+  config, data, s, mesh, model, params, step, collections = open_run.open_run(args.run_dir)
   stage = config.stages[s]
   nll_fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
 
@@ -133,7 +134,8 @@ def cmd_eval(args):
 
 
 def cmd_trace(args):
-  from maxlm.eval import bpb, trace
+  from maxlm.eval import bpb
+  from maxlm.train import trace
   if args.spikes:
     found = trace.spike_list(args.run_dir)
     print(json.dumps({"spikes": found}) if args.json else trace.format_spikes(found))
@@ -147,7 +149,8 @@ def cmd_trace(args):
 def cmd_generate(args):
   from maxlm import io
   from maxlm.data import tokenizer
-  from maxlm.eval import generate, run
+  from maxlm.eval import generate
+  from maxlm.train import open_run
   if (args.prompt is None) == (args.prompts is None):
     raise MaxlmError("give --prompt TEXT or --prompts FILE.jsonl (one of them)")
   if args.samples < 1:
@@ -160,7 +163,7 @@ def cmd_generate(args):
   else:
     from maxlm.eval import verify
     prompts, dropped = verify.read_prompts(args.prompts)
-  config, data, s, mesh, model, params, _, collections = run.open_run(args.run_dir)
+  config, data, s, mesh, model, params, _, collections = open_run.open_run(args.run_dir)
   generate.check_settings(args.temperature, args.top_k, args.seed, args.max_tokens,
                           model.cfg.vocab_size)
   positions, longest = generate.context(config, s)

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.eval import trace
+from maxlm.train import trace
 from maxlm.train import metrics
 
 from smallrun import maxlm, small_config

@@ -1,6 +1,6 @@
 """`maxlm trace`'s table shows every document id whole (ids often differ only at their end)."""
 
-from maxlm.eval import trace
+from maxlm.train import trace
 
 
 def test_document_ids_are_shown_whole():

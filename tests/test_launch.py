@@ -234,18 +234,19 @@ def test_partial_maxlm_variables_are_an_error():
     ("configs/gpu_1x_1b.yaml", 1, 80 * 1e9 / 2**30)])  # the smallest GPU it is meant for
 def test_starter_configs_divide_and_fit(path, devices, device_gib):
   """Every parameter and the batch divide over the mesh on the devices the config is for,
-  and the memory estimate (maxlm/parallel/memory.py) leaves a quarter of a device free."""
+  and the memory estimate (maxlm/train/memory.py) leaves a quarter of a device free."""
   from maxlm import config as config_lib
   from maxlm.model import build
-  from maxlm.parallel import memory, mesh
-  from maxlm.train import loop
+  from maxlm.parallel import mesh
+  from maxlm.train import memory
+  from maxlm.train import stage as stage_lib
   cfg = config_lib.load(os.path.join(ROOT, path))
   vocab = cfg.model.vocab_size
   assert vocab, "a starter config fixes its vocabulary, so its memory is known"
   params = build.param_axes(cfg, vocab)
   for i, stage in enumerate(cfg.stages):
     shape = dict(zip(config_lib.MESH_AXES, mesh.mesh_shape(stage.mesh, devices)))
-    loop._check_params_divide(i, shape, cfg.rules, params)
+    stage_lib.check_params_divide(i, shape, cfg.rules, params)
     ways = int(np.prod([shape[a] for a in cfg.rules["batch"]]))
     assert (stage.batch // cfg.train.grad_accum) % ways == 0
     need = memory.estimate(cfg, i, devices, vocab)
@@ -255,7 +256,7 @@ def test_starter_configs_divide_and_fit(path, devices, device_gib):
 
 def test_memory_estimate_follows_sharding_remat_and_batch():
   from maxlm import config as config_lib
-  from maxlm.parallel import memory
+  from maxlm.train import memory
   cfg = config_lib.load(os.path.join(ROOT, "configs/tpu_v5e8_150m.yaml"))
   on8, on4 = (memory.estimate(cfg, 0, n, 32768) for n in (8, 4))
   assert on4["state"] == pytest.approx(2 * on8["state"], rel=0.01)  # fsdp halves it

@@ -199,16 +199,16 @@ def test_generate_verifies_prompts_against_gold(pretrained, tmp_path, capsys):
 
 def test_pairs_under_lm_and_dpo_without_pairs_are_refused(pretrained):
   from maxlm import MaxlmError
-  from maxlm.train import loop
+  from maxlm.train import stage as stage_lib
   cfg = _config(pretrained / "lm.yaml", pretrained / "pairs", pretrained / "lm")
   with pytest.raises(MaxlmError, match=r"stages.0 trains on preference pairs \(source 'pairs'\) "
                      r"with train.objective=lm"):
-    loop.validate(cfg)
+    stage_lib.validate(cfg)
   cfg = _config(pretrained / "dpo-nopairs.yaml", pretrained / "data", pretrained / "x",
                 init={"from": str(pretrained / "pre")}, train={"objective": "dpo"})
   with pytest.raises(MaxlmError, match=r"stages.0: train.objective=dpo, but no source in its "
                      "mix holds preference pairs"):
-    loop.validate(cfg)
+    stage_lib.validate(cfg)
 
 
 def test_dpo_step_with_grad_accum_equals_one_big_batch():

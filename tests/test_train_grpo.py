@@ -287,7 +287,7 @@ def _rows(run_dir):
 
 @pytest.mark.slow
 def test_grpo_stage_runs_logs_rollouts_and_resumes_bitwise(task):
-  from maxlm.train import loop
+  from maxlm.train import loop, stage as stage_lib
   loop.train(_grpo(task, "grpo"), log=lambda *a: None)
   rows = _rows(task / "grpo")
   assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -303,7 +303,7 @@ def test_grpo_stage_runs_logs_rollouts_and_resumes_bitwise(task):
   # resumed: the same rollouts and losses, bit for bit
   cfg2 = _grpo(task, "grpo2")
   assert loop.train(cfg2, stop_after=2, log=lambda *a: None)["stopped"]
-  loop._COMPILED.clear()
+  stage_lib.clear_cache()
   loop.train(cfg2, log=lambda *a: None)
   again = _rows(task / "grpo2")
   for key in ("loss", "kl", "reward_mean", "grad_norm", "fingerprint", "eval_pass@1"):

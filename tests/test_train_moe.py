@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.eval import run
+from maxlm.train import open_run
 from maxlm.model import build, layers
-from maxlm.parallel import memory, mesh as mesh_lib
+from maxlm.parallel import mesh as mesh_lib
+from maxlm.train import memory
 from maxlm.sweep import grid
 from maxlm.train import console, moe_state, optimizer, resume, step as step_lib, verify
 from maxlm.train import metrics as metrics_lib
@@ -219,7 +220,7 @@ def test_maxlm_eval_of_a_biased_moe_run_routes_with_the_runs_bias(tmp_path, data
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "train", str(path), *MOE,
                          "model.moe.bias_rate=0.05"], capture_output=True, text=True, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  *_, collections = run.open_run(str(run_dir))
+  *_, collections = open_run.open_run(str(run_dir))
   assert max(float(np.abs(b).max()) for b in jax.tree_util.tree_leaves(collections)) > 0
   trained = [r for r in metrics_lib.read_jsonl(str(run_dir)) if "val_loss" in r][-1]
   proc = subprocess.run([sys.executable, "-m", "maxlm.cli", "eval", str(run_dir), "--json"],

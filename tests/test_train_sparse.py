@@ -73,9 +73,9 @@ def test_dense_warmup_sparse_trains_and_resumes_exactly(tmp_path, data_dir):
 
 def test_warmup_freezes_the_main_model_exactly(tmp_path, data_dir):
   from maxlm.model import build
-  from maxlm.train import loop, step as step_lib
+  from maxlm.train import stage as stage_lib, step as step_lib
   cfg = three_stages(tmp_path, data_dir)
-  parts = loop.stage_parts(cfg, 1, 300)
+  parts = stage_lib.parts(cfg, 1, 300)
   with parts.mesh:
     state = step_lib.init_state(parts.model, parts.opt, parts.mesh, cfg.rules, 0, 64)
   before = jax.device_get(state["params"])
@@ -121,7 +121,7 @@ def assert_same_indexer_metrics(one_dir, other_dir, keys=("loss", "indexer_kl",
 
 
 def test_sparse_with_context_parallelism_matches_one_device(tmp_path, data_dir):
-  from maxlm.train import loop
+  from maxlm.train import loop, stage as stage_lib
   assert len(jax.devices()) >= 4
   one = three_stages(tmp_path, data_dir)
   loop.train(one, log=lambda *_: None)
@@ -132,7 +132,7 @@ def test_sparse_with_context_parallelism_matches_one_device(tmp_path, data_dir):
   bad = three_stages(tmp_path, data_dir, ["stages.2.mesh.context=2", "stages.2.mesh.data=-1",
                                           "stages.2.sparse.select=token"])
   with pytest.raises(MaxlmError, match="context parallelism .* needs select=block"):
-    loop.validate(bad)
+    stage_lib.validate(bad)
 
 
 def _train_in_a_fresh_process(tmp_path, data_dir, extra):

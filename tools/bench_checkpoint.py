@@ -30,14 +30,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxlm import config as config_lib
-from maxlm.train import checkpoint, integrity, loop
+from maxlm.train import checkpoint, integrity, stage as stage_lib, step as step_lib
 
 
 def make_state(size, vocab):
   cfg = config_lib.from_dict({"stages": [{"seq_len": 256, "batch": 8, "steps": 1}],
                               "model": {"size": size, "dtype": "float32"}})
-  parts = loop.stage_parts(cfg, 0, vocab)
-  shapes = jax.eval_shape(lambda: loop.step_lib.init_state_abstract(parts.model, parts.opt, 0,
+  parts = stage_lib.parts(cfg, 0, vocab)
+  shapes = jax.eval_shape(lambda: step_lib.init_state_abstract(parts.model, parts.opt, 0,
                                                                     256))
   rng = np.random.default_rng(0)
 

@@ -164,10 +164,10 @@ def score(nll_fn, data, rows, complete, seq_len, batch_rows):
 def score_checkpoint(run_dir, rows_before):
   """{step, stage, seq_len, before, now, seconds} for the run's latest checkpoint."""
   import jax
-  from maxlm.eval import run
+  from maxlm.train import open_run
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
-  config, data, s, mesh, model, params, step, _ = run.open_run(run_dir)
+  config, data, s, mesh, model, params, step, _ = open_run.open_run(run_dir)
   stage = config.stages[s]
   fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
 

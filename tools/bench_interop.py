@@ -80,7 +80,8 @@ def trained_parity(work, data):
   except ImportError:
     return {"skipped": "torch/transformers not installed (pip install -e '.[hf]')"}
   from maxlm.data import tokenizer as tok_lib
-  from maxlm.eval import generate, run
+  from maxlm.eval import generate
+  from maxlm.train import open_run
   from maxlm.train import loop
   stage = {"attention": "blockwise", "block_q": 16, "block_k": 16}
   config = config_lib.from_dict({
@@ -96,7 +97,7 @@ def trained_parity(work, data):
   loop.train(config, log=lambda *_: None)
   folder = os.path.join(work, "tiny-hf")
   export.export(config.run_dir, folder, log=lambda *_: None)
-  _, _, _, mesh, model, params, _, _ = run.open_run(config.run_dir)
+  _, _, _, mesh, model, params, _, _ = open_run.open_run(config.run_dir)
   sp = tok_lib.load(open(os.path.join(data, "tokenizer.model"), "rb").read())
   texts = ["def parse(self, text):\n    return text.split()\n",
            "The documentation describes how the module is used in practice."]

@@ -3,7 +3,7 @@
 For each case (a model size, remat policy, mesh split, attention implementation) the train
 step is compiled on fake CPU devices and `compiled.memory_analysis()` gives the bytes per
 device: arguments + outputs not aliased to a donated argument + XLA's temporaries. The estimate
-(`maxlm/parallel/memory.py`) of the same stage is printed beside it, with their ratio. float32
+(`maxlm/train/memory.py`) of the same stage is printed beside it, with their ratio. float32
 models only: XLA on CPU may compute bfloat16 in float32, so a bfloat16 model's CPU figure
 says little about an accelerator's.
 
@@ -19,7 +19,7 @@ if __name__ == "__main__":  # before jax is imported: 8 fake CPU devices
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from maxlm import config as config_lib  # noqa: E402
-from maxlm.parallel import memory  # noqa: E402
+from maxlm.train import memory  # noqa: E402
 
 BASE = ["model.size=demo", "model.dtype=float32", "model.vocab_size=1024", "model.loss_chunk=256",
         "stages.0.seq_len=256", "stages.0.batch=16", "stages.0.block_q=128",

@@ -32,7 +32,7 @@ import numpy as np
 
 from maxlm import config as config_lib
 from maxlm.model import build
-from maxlm.parallel import memory
+from maxlm.train import memory
 from maxlm.train import loop, metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -132,7 +132,7 @@ def recall_demo(workdir):
   from maxlm.data import assemble, corpus, loader, prepare
   from maxlm.eval import windows
   from maxlm.model import build
-  from maxlm.train import checkpoint, loop, resume
+  from maxlm.train import checkpoint, loop, resume, stage as stage_lib
   raw = corpus.build(f"{workdir}/raw", bytes_per_source=600_000)
   prepare.prepare(raw, f"{workdir}/data", vocab_size=1024, progress=False)
   ladder = ["model.size=tiny", f"data.dir={workdir}/data", f"run_dir={workdir}/run",
@@ -146,9 +146,9 @@ def recall_demo(workdir):
   data = loader.Data(cfg)
   vocab = cfg.model.vocab_size or int(data.manifest["vocab_size"])
   ckpts = checkpoint.Checkpoints(cfg.run_dir, 3, False, lambda *_: None, read_only=True)
-  state = resume.resume(ckpts, cfg, data, vocab, loop.stage_parts, lambda *_: None,
+  state = resume.resume(ckpts, cfg, data, vocab, stage_lib.parts, lambda *_: None,
                         reader=True)[0]
-  parts = loop.stage_parts(cfg, 1, vocab)
+  parts = stage_lib.parts(cfg, 1, vocab)
   seq_len = cfg.stages[1].seq_len
   rows = windows.heldout_rows(data.index, windows.heldout_docs(data.index, 16 * seq_len),
                               seq_len, cfg.data.overlap, cfg.data.min_cut)[:16]

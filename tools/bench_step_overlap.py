@@ -1,4 +1,4 @@
-"""The train loop with and without its one-step lookahead (maxlm/train/loop.py LOOKAHEAD): step
+"""The train loop with and without its one-step lookahead (`loop.train(..., lookahead=False)`, maxlm/train/planned.py): step
 k+1 queued, its batch placed, before step k's metrics are read; side by side in one process.
 
 `maxlm train` on the demo corpus (prepared here, in a temporary folder), one stage of the demo
@@ -37,8 +37,7 @@ def run(base, data_dir, args, lookahead):
       stamps.append(time.perf_counter())
 
   shutil.rmtree(cfg.run_dir, ignore_errors=True)  # one run_dir: every run reuses the compiled step
-  loop.LOOKAHEAD = lookahead
-  loop.train(cfg, log=log)
+  loop.train(cfg, log=log, lookahead=lookahead)
   steps = len(stamps) - 1
   return steps * args.seq_len * args.batch / (stamps[-1] - stamps[0])
 
@@ -60,7 +59,6 @@ def main(argv=None):
     for _ in range(args.repeats):
       before.append(run(base, data_dir, args, False))
       after.append(run(base, data_dir, args, True))
-  loop.LOOKAHEAD = True
   out = {"seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
          "positions_per_s_without_lookahead": [round(x) for x in before],
          "positions_per_s_with_lookahead": [round(x) for x in after],

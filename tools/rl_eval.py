@@ -17,10 +17,11 @@ def pass_at_1(run_dir, prompts_path, samples=8, max_new_tokens=24, temperature=1
               verify="exact", seed=0):
   from maxlm import io
   from maxlm.data import tokenizer
-  from maxlm.eval import run, sample as sample_lib, verify as verify_lib
+  from maxlm.train import open_run
+  from maxlm.eval import sample as sample_lib, verify as verify_lib
   from maxlm.train import rewards, rollouts
   prompts, _ = verify_lib.read_prompts(prompts_path)
-  config, data, _, mesh, model, params, step, _ = run.open_run(run_dir)
+  config, data, _, mesh, model, params, step, _ = open_run.open_run(run_dir)
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   ids = [rollouts.encode_prompt(sp, p["prompt"], data.special.bos) for p in prompts]
   with mesh:

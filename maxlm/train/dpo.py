@@ -26,9 +26,9 @@ per segment, which chunked_cross_entropy's scalar custom VJP does not express).
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
-import optax
 
 from maxlm.parallel import mesh as mesh_lib
+from maxlm.train import update
 
 CHOSEN, REJECTED = 1, 2
 METRICS = ("dpo_loss", "reward_margin", "reward_accuracy", "chosen_logp", "rejected_logp",
@@ -86,7 +86,8 @@ def dpo_terms(policy, reference, beta, smoothing):
   return sums["dpo_loss"], sums
 
 
-def _forward(model, params, batch, rules, chunk):
+def forward(model, params, batch, rules, chunk):
+  """(log p(target) per position [B, L], the step's max logit) of a policy; GRPO's too."""
   with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
     h, head, peak = model.apply({"params": params}, batch["inputs"], batch["positions"],
                                 batch["segment_ids"])
@@ -99,57 +100,25 @@ def make_train_step(model, opt, schedule, rules, model_cfg, grad_accum, beta, sm
   it again from init.from). The loss is the mean over the step's pairs."""
   chunk = model_cfg.loss_chunk
 
-  def objective(params, ref_params, micro):
-    logp, peak = _forward(model, params, micro, rules, chunk)
-    ref_logp, _ = _forward(model, ref_params, micro, rules, chunk)
+  def loss(params, ref_params, micro):
+    logp, peak = forward(model, params, micro, rules, chunk)
+    ref_logp, _ = forward(model, ref_params, micro, rules, chunk)
     total, sums = dpo_terms(pair_logprobs(logp, micro),
                             jax.lax.stop_gradient(pair_logprobs(ref_logp, micro)), beta,
                             smoothing)
-    return total, {**sums, "max_logit": peak}
+    return total, ({**sums, "max_logit": peak}, None)
 
-  grad_fn = jax.grad(objective, has_aux=True)
+  update_fn = update.make_step(loss, opt, schedule, grad_accum, count="pairs")
 
   def step(state, batch, ref):
-    params = state["params"]
-    if grad_accum == 1:
-      grads, sums = grad_fn(params, ref, batch)
-    else:
-      micro = jax.tree_util.tree_map(
-          lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
-
-      def accumulate(carry, mb):
-        g, s = grad_fn(params, ref, mb)
-        grads, acc = carry
-        acc = {k: (jnp.maximum(acc[k], s[k]) if k == "max_logit" else acc[k] + s[k])
-               for k in acc}
-        return (jax.tree_util.tree_map(jnp.add, grads, g), acc), None
-
-      zero = {k: jnp.zeros((), jnp.float32) for k in METRICS}
-      zero["max_logit"] = jnp.full((), -jnp.inf, jnp.float32)
-      (grads, sums), _ = jax.lax.scan(
-          accumulate, (jax.tree_util.tree_map(jnp.zeros_like, params), zero), micro)
+    new_state, common, sums, _ = update_fn(state, batch, ref)
     n = jnp.maximum(sums["pairs"], 1.0)
-    grads = jax.tree_util.tree_map(lambda g: g / n, grads)
-    updates, opt_state = opt.update(grads, state["opt_state"], params)
-    new_params = optax.apply_updates(params, updates)
     metrics = {k: sums[k] / n for k in METRICS if k != "pairs"}
-    metrics.update(loss=metrics["dpo_loss"], pairs=sums["pairs"], lr=schedule(state["step"]),
-                   grad_norm=optax.global_norm(grads),
-                   param_norm=optax.global_norm(new_params), max_logit=sums["max_logit"],
+    metrics.update(loss=metrics["dpo_loss"], pairs=sums["pairs"], **common,
                    loss_tokens=(batch["loss_mask"] > 0).sum().astype(jnp.float32))
-    rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]),
-                                                 state["step"]))
-    return {**state, "params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
-            "rng": rng}, metrics
+    return new_state, metrics
 
   return step
-
-
-def jit_step(model, opt, schedule, config):
-  """The jitted DPO step(state, batch, ref_params) (the state donated)."""
-  t = config.train
-  return jax.jit(make_train_step(model, opt, schedule, config.rules, model.cfg, t.grad_accum,
-                                 t.dpo.beta, t.dpo.label_smoothing), donate_argnums=0)
 
 
 def reference_params(config, data, vocab, init_from, model, shardings, seq_len, log=print):

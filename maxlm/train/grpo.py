@@ -30,15 +30,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from maxlm import MaxlmError, io
 from maxlm.data import tokenizer
 from maxlm.eval import sample as sample_lib
 from maxlm.parallel import distributed, mesh as mesh_lib
-from maxlm.train import dpo, rewards as rewards_lib, rollouts
+from maxlm.train import dpo, rewards as rewards_lib, rollouts, update
 
-SUMS = ("grpo_loss", "kl", "clip_fraction", "ratio", "weight", "count")
 
 
 def token_terms(logp, old_logp, ref_logp, adv, weight, mask, eps, beta):
@@ -59,80 +57,53 @@ def token_terms(logp, old_logp, ref_logp, adv, weight, mask, eps, beta):
 
 def make_update(model, opt, schedule, rules, model_cfg, grad_accum, cfg):
   """update(state, batch, old_logp, ref_params, inner) -> (state, metrics, logp before it):
-  one optimizer step on a rollout batch. At inner == 0 the ratio's denominator is the policy
-  itself (old_logp unused); the state's step advances after the last inner step only, so the
-  learning-rate schedule counts outer steps."""
+  one optimizer step on a rollout batch (maxlm/train/update.py). At inner == 0 the ratio's
+  denominator is the policy itself (old_logp unused); the state's step and rng advance after
+  the last inner step only, so the learning-rate schedule counts outer steps."""
   chunk = model_cfg.loss_chunk
 
-  def objective(params, ref, micro, old_logp, inner):
-    logp, peak = dpo._forward(model, params, micro, rules, chunk)
+  def loss(params, fixed, micro):
+    ref, inner = fixed
+    logp, peak = dpo.forward(model, params, micro, rules, chunk)
     if cfg.beta > 0:
-      ref_logp = jax.lax.stop_gradient(dpo._forward(model, ref, micro, rules, chunk)[0])
+      ref_logp = jax.lax.stop_gradient(dpo.forward(model, ref, micro, rules, chunk)[0])
     else:
       ref_logp = jax.lax.stop_gradient(logp)
-    old = jnp.where(inner == 0, jax.lax.stop_gradient(logp), old_logp)
+    old = jnp.where(inner == 0, jax.lax.stop_gradient(logp), micro["old"])
     total, sums = token_terms(logp, old, ref_logp, micro["advantages"], micro["weights"],
                               micro["loss_mask"], cfg.clip_eps, cfg.beta)
     return total, ({**sums, "max_logit": peak}, jax.lax.stop_gradient(logp))
 
-  grad_fn = jax.grad(objective, has_aux=True)
+  update_fn = update.make_step(loss, opt, schedule, grad_accum, count="weight", floor=1e-9)
 
-  def update(state, batch, old_logp, ref, inner):
-    params = state["params"]
-    if grad_accum == 1:
-      grads, (sums, logp) = grad_fn(params, ref, batch, old_logp, inner)
-    else:
-      split = lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:])
-      micro = jax.tree_util.tree_map(split, {**batch, "old": old_logp})
-
-      def accumulate(carry, mb):
-        g, (s, lp) = grad_fn(params, ref, mb, mb["old"], inner)
-        grads, acc = carry
-        acc = {k: jnp.maximum(acc[k], s[k]) if k == "max_logit" else acc[k] + s[k] for k in acc}
-        return (jax.tree_util.tree_map(jnp.add, grads, g), acc), lp
-
-      zero = {k: jnp.zeros((), jnp.float32) for k in SUMS}
-      zero["max_logit"] = jnp.full((), -jnp.inf, jnp.float32)
-      (grads, sums), logp = jax.lax.scan(
-          accumulate, (jax.tree_util.tree_map(jnp.zeros_like, params), zero), micro)
-      logp = logp.reshape(old_logp.shape)
+  def step(state, batch, old_logp, ref, inner):
+    new_state, common, sums, logp = update_fn(state, {**batch, "old": old_logp}, (ref, inner))
     n = jnp.maximum(sums["weight"], 1e-9)
-    grads = jax.tree_util.tree_map(lambda g: g / n, grads)
-    updates, opt_state = opt.update(grads, state["opt_state"], params)
-    new_params = optax.apply_updates(params, updates)
     count = jnp.maximum(sums["count"], 1.0)
     metrics = {"grpo_loss": sums["grpo_loss"] / n, "kl": sums["kl"] / count,
                "clip_fraction": sums["clip_fraction"] / count, "ratio": sums["ratio"] / count,
-               "lr": schedule(state["step"]), "grad_norm": optax.global_norm(grads),
-               "param_norm": optax.global_norm(new_params), "max_logit": sums["max_logit"],
-               "loss_tokens": sums["count"]}
+               **common, "loss_tokens": sums["count"]}
     metrics["loss"] = metrics["grpo_loss"]
     last = inner == cfg.inner_steps - 1
-    rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]),
-                                                 state["step"]))
-    new_state = {**state, "params": new_params, "opt_state": opt_state,
-                 "step": state["step"] + last.astype(state["step"].dtype),
-                 "rng": jnp.where(last, rng, state["rng"])}
+    new_state["step"] = state["step"] + last.astype(state["step"].dtype)
+    new_state["rng"] = jnp.where(last, new_state["rng"], state["rng"])
     return new_state, metrics, logp
 
-  return update
-
-
-def jit_update(model, opt, schedule, config):
-  t = config.train
-  return jax.jit(make_update(model, opt, schedule, config.rules, model.cfg, t.grad_accum, t.grpo),
-                 donate_argnums=0)
+  return step
 
 
 class Stage:
   """One GRPO stage of a run: its prompts, verifier, sampler settings and reference model.
-  `step(state, s, k, g)` runs global step g (stage s's step k) and returns (state, metrics,
-  this host's rows of the rollout batch as numpy arrays, prompt tokens per source)."""
+  `step(state, k, consumed, read_now)` runs the stage's step k and returns, as
+  maxlm/train/planned.py's steps do, (state, metrics, this host's rows of the rollout batch as
+  numpy arrays, seconds, the step's `prompt_tokens/<source>` metrics). No planned batches are
+  read: `it` and `it_start` are None."""
+  it = it_start = None
 
   def __init__(self, config, data, s, parts, update, ref_params, run_dir, log=print):
     self.config, self.cfg, self.data, self.parts = config, config.train.grpo, data, parts
     self.update, self.ref, self.run_dir, self.log = update, ref_params, run_dir, log
-    self.stage = config.stages[s]
+    self.s, self.stage = s, config.stages[s]
     self.sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
     self.special = data.special
     self.prompts = rollouts.read_prompts(config.data.dir, config.mix_for(s))
@@ -155,8 +126,9 @@ class Stage:
     texts = [[rollouts.completion_text(self.sp, c, self.special) for c in grp] for grp in out]
     return out, texts
 
-  def step(self, state, s, k, g):
-    cfg, t0 = self.cfg, time.perf_counter()
+  def step(self, state, k, consumed, read_now=True):
+    cfg, t0, s = self.cfg, time.perf_counter(), self.s
+    g = sum(st.num_steps for st in self.config.stages[:s]) + k
     idx = rollouts.step_prompts(len(self.prompts), cfg.prompts, self.config.seed, s, k)
     prompts = [self.prompts[i] for i in idx]
     completions, texts = self.sample(state["params"], [self.ids[i] for i in idx],
@@ -182,13 +154,15 @@ class Stage:
                                       for c in grp])),
              gen_s=t1 - t0, train_s=time.perf_counter() - t1)
     self._write(rollouts.jsonl_rows(g, prompts, texts, r))
-    return state, m, batch, _prompt_tokens(prompts, [self.ids[i] for i in idx], cfg.group)
+    tokens = _prompt_tokens(prompts, [self.ids[i] for i in idx], cfg.group)
+    return state, m, batch, time.perf_counter() - t0, ledger(tokens, consumed)
 
-  def evaluate(self, params):
+  def evaluate(self, state):
     """{eval_pass@1}: the held-out prompts, eval_samples each, seeded by the run's seed."""
     if not self.eval_prompts:
       return {}
-    return {"eval_pass@1": pass_at_1(self, params, self.eval_prompts, self.cfg.eval_samples)}
+    return {"eval_pass@1": pass_at_1(self, state["params"], self.eval_prompts,
+                                     self.cfg.eval_samples)}
 
   def _write(self, lines):
     if jax.process_index() == 0:

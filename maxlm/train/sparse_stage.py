@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.model import build
+from maxlm.train import update
 
 
 def is_indexer(path):
@@ -41,6 +42,16 @@ def keep_main_opt(new_opt, old_opt):
       return n
     return o
   return jax.tree_util.tree_map_with_path(pick, new_opt, old_opt)
+
+
+def freeze(model):
+  """The update's Freeze in an indexer warm-up stage (only the indexer trains), else None."""
+  if mode_of(model) != "indexer_warmup":
+    return None
+  return update.Freeze(
+      grads=only_indexer,
+      keep=lambda new, old, new_opt, old_opt: (keep_main(new, old),
+                                               keep_main_opt(new_opt, old_opt)))
 
 
 def _merge(fresh, old):

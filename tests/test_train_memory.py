@@ -1,4 +1,4 @@
-"""The memory estimate (maxlm/parallel/memory.py) against XLA's accounting of the compiled train
+"""The memory estimate (maxlm/train/memory.py) against XLA's accounting of the compiled train
 step on fake CPU devices, and the `maxlm memory` command."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from maxlm import cli, config as config_lib
-from maxlm.parallel import memory
+from maxlm.train import memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASE = ["model.size=demo", "model.dtype=float32", "model.vocab_size=1024", "model.loss_chunk=256",

@@ -1,7 +1,7 @@
 """Opening a finished (or running) run_dir: its config, data, model and latest parameters."""
 
 from maxlm import MaxlmError, config as config_lib, io
-from maxlm.train import checkpoint, loop, resume
+from maxlm.train import checkpoint, resume, stage as stage_lib
 
 
 def open_run(run_dir, overrides=()):
@@ -12,7 +12,7 @@ def open_run(run_dir, overrides=()):
   if not io.exists(path):
     raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
   config = config_lib.load(path, [*overrides, f"run_dir={run_dir}"])
-  data, vocab = loop.validate(config)
+  data, vocab = stage_lib.validate(config)
   for attempt in range(3):  # a live trainer may rotate a checkpoint out while we read it
     try:
       state, meta, step = _latest(run_dir, config, data, vocab)
@@ -21,7 +21,7 @@ def open_run(run_dir, overrides=()):
       if attempt == 2:
         raise MaxlmError(str(e)) from None
   s = meta["stage"]
-  parts = loop.stage_parts(config, s, vocab)
+  parts = stage_lib.parts(config, s, vocab)
   collections = {"moe_bias": state["moe_bias"]} if "moe_bias" in state else {}
   return config, data, s, parts.mesh, parts.model, state["params"], step, collections
 
@@ -36,7 +36,7 @@ def _latest(run_dir, config, data, vocab):
   try:
     before = ckpts.steps()
     try:
-      found = resume.resume(ckpts, config, data, vocab, loop.stage_parts, log=print,
+      found = resume.resume(ckpts, config, data, vocab, stage_lib.parts, log=print,
                             reader=True)
     except MaxlmError as e:
       if sorted(ckpts.manager.all_steps(read=True)) != before:

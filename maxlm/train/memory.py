@@ -30,7 +30,7 @@ Sparse-attention stages' indexer is not counted.
 
 The check: `tools/bench_memory.py` compiles the train step on fake CPU devices for sizes, remat
 policies and fsdp / tensor / context splits and compares (docs/performance.md states the worst
-ratio; tests/test_parallel_memory.py holds a few cases within 25%). XLA on CPU, float32 models:
+ratio; tests/test_train_memory.py holds a few cases within 25%). XLA on CPU, float32 models:
 an accelerator's compiler fuses and schedules differently, so leave headroom (tests/test_launch.py
 asks the shipped configs to fit in 75% of a device).
 """
@@ -135,7 +135,7 @@ def compiled(config, s, n_devices, vocab):
   total = arguments + outputs not aliased to the donated state + temporaries."""
   import jax
   from maxlm.model import build
-  from maxlm.train import loop, optimizer, step as step_lib
+  from maxlm.train import optimizer, stage as stage_lib, step as step_lib
   if n_devices > len(jax.devices()):
     raise MaxlmError(f"--devices {n_devices}: this machine has {len(jax.devices())} "
                      "(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes more)")
@@ -143,7 +143,7 @@ def compiled(config, s, n_devices, vocab):
   mesh = mesh_lib.make_mesh(stage.mesh, jax.devices()[:n_devices])
   model = build.model_for(config, s, mesh, vocab)
   opt, schedule = optimizer.make(config.train, sum(st.num_steps for st in config.stages))
-  shardings = loop._state_shardings(model, opt, mesh, config.rules, stage.seq_len)
+  shardings = stage_lib.state_shardings(model, opt, mesh, config.rules, stage.seq_len)
   state = jax.tree_util.tree_map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
@@ -164,7 +164,7 @@ def compiled(config, s, n_devices, vocab):
 def format_table(config, estimates, n_devices, counts=None):
   """The estimate per stage as a table, in GiB per device (and `param_counts`' line)."""
   names = [p for p in PARTS] + ["total"]
-  lines = [f"per-device memory estimate on {n_devices} device(s), GiB (maxlm/parallel/memory.py)",
+  lines = [f"per-device memory estimate on {n_devices} device(s), GiB (maxlm/train/memory.py)",
            f"{'stage':<10}{'mesh':<14}" + "".join(f"{p:>12}" for p in names)]
   for i, est in enumerate(estimates):
     stage = config.stages[i]

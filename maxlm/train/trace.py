@@ -27,20 +27,8 @@ import numpy as np
 from maxlm import MaxlmError, config as config_lib, io
 from maxlm.data import loader, plan
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import checkpoint, integrity, loop, metrics, resume, spikes, step as step_lib
-
-
-def locate(config, g):
-  """(stage, step within it) of global step g."""
-  total = sum(st.num_steps for st in config.stages)
-  if not 0 <= g < total:
-    raise MaxlmError(f"--step {g}: the schedule has global steps 0..{total - 1} (as numbered "
-                     "in metrics.jsonl)")
-  for s, st in enumerate(config.stages):
-    if g < st.num_steps:
-      return s, g
-    g -= st.num_steps
-  raise AssertionError
+from maxlm.train import (checkpoint, integrity, metrics, resume, schedule, spikes,
+                         stage as stage_lib, step as step_lib)
 
 
 def open_config(run_dir):
@@ -53,16 +41,18 @@ def open_config(run_dir):
 def trace(run_dir, g, log=print):
   """The replay of global step g as a JSON-able dict (see the module docstring)."""
   config = open_config(run_dir)
-  s, k = locate(config, g)
-  data, vocab = loop.validate(config)
+  sched = schedule.Schedule(config)
+  try:
+    s, k = sched.locate(g)
+  except MaxlmError as e:
+    raise MaxlmError(f"--{e}") from None
+  data, vocab = stage_lib.validate(config)
   if jax.process_count() > 1:
     raise MaxlmError("maxlm trace runs in one process; run it on one host")
   state, at = _state_before(run_dir, config, data, vocab, g, log)
-  offsets = np.cumsum([0] + [st.num_steps for st in config.stages])
   for h in range(at, g):  # the steps between the checkpoint and g, as training ran them
-    hs = int(np.searchsorted(offsets, h, side="right")) - 1
-    state, _ = _train_step(config, data, vocab, state, hs, h - int(offsets[hs]))
-  parts = loop.stage_parts(config, s, vocab)
+    state, _ = _train_step(config, data, vocab, state, *sched.locate(h))
+  parts = stage_lib.parts(config, s, vocab)
   batch = loader.stage_dataset(data, s)[k]
   state = jax.device_put(state, parts.shardings)
   nll_BxL = _nll(config, parts, state["params"], batch)
@@ -87,7 +77,7 @@ def _state_before(run_dir, config, data, vocab, g, log):
       resume.check_same_model(config, vocab, meta)
       plan.check_resume(meta.get("planner"), step_no)  # another plan: other batches
       try:
-        state = resume.restore_state(ckpts, step_no, meta, config, vocab, loop.stage_parts)
+        state = resume.restore_state(ckpts, step_no, meta, config, vocab, stage_lib.parts)
         if meta.get("planner"):
           data.planner.seed_snapshot(plan.Snapshot(**meta["planner"]))
         return state, step_no
@@ -101,13 +91,13 @@ def _state_before(run_dir, config, data, vocab, g, log):
     raise MaxlmError(f"no checkpoint at or before step {g} is left in {run_dir}, and the run "
                      f"started from init.from {started}, not from its seed: step {g} cannot be "
                      "replayed (keep more checkpoints: train.keep)")
-  parts = loop.stage_parts(config, 0, vocab)
+  parts = stage_lib.parts(config, 0, vocab)
   return step_lib.init_state(parts.model, parts.opt, parts.mesh, config.rules, config.seed,
                              config.stages[0].seq_len), 0
 
 
 def _train_step(config, data, vocab, state, s, k, batch=None):
-  parts = loop.stage_parts(config, s, vocab)
+  parts = stage_lib.parts(config, s, vocab)
   state = jax.device_put(state, parts.shardings)
   if batch is None:
     batch = loader.stage_dataset(data, s)[k]
