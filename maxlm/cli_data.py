@@ -1,6 +1,13 @@
 """The data commands: `maxlm prepare`, `funnel`, `show-doc` and `check-data` on a data dir, and
 `ledger`, `batches` and `show-batch` on the plan of a config (their arguments are declared with the
-others in `maxlm.cli`)."""
+others in `maxlm.cli`).
+
+Tested through the commands, as a user runs them (tests/test_cli.py, test_data_prepare_funnel.py,
+test_data_dir.py, test_data_pairs.py, test_hostile.py): its own checks (`_check_outputs`,
+`_check_step`) are refusals the commands' tests provoke (test_data_quality.py
+test_hostile_flags_are_one_line_before_any_work, test_cli.py, test_hostile.py), and the rest
+prints what maxlm.data computes, which the tests of maxlm/data/ check directly; a direct test
+would call the same functions without the argument parsing a user goes through."""
 
 import dataclasses
 import json

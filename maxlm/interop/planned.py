@@ -8,6 +8,11 @@ its rules. Each stored array becomes one Leaf whose rows are the model layers `l
 and each layer's tensors carry the HF names of its layer index, whatever group holds it.
 A Leaf with path None is a constant: an HF tensor maxlm holds no parameter for (families.py),
 written as its value and, on import, checked to be it.
+
+Tested through layout.py, for every family and plan (scanned, stacked, unrolled):
+tests/test_interop_moe.py test_layout_makes_every_hf_tensor_once_and_inverts (each HF tensor made
+once, import inverting export) and test_export_then_import_is_bitwise; those are the properties a
+direct test of `locations` would check.
 """
 
 import numpy as np

@@ -5,7 +5,10 @@ maxlm encodes a text as [BOS] + SentencePiece ids (no dummy prefix, identity nor
 whitespace kept; `maxlm.data.tokenizer`), and inserts its control pieces (FIM, chat roles) by
 id only. transformers' `LlamaTokenizer` reads the same SentencePiece model (`tokenizer.model`)
 with `add_bos_token` and without a prefix space; `split_special_tokens` keeps text that spells a
-control piece as text, as maxlm does. tests/test_interop.py compares the ids on hostile text.
+control piece as text, as maxlm does. tests/test_interop.py compares the ids on hostile text
+(test_autotokenizer_ids_equal_maxlms) and checks the files an export writes
+(test_export_writes_a_llama_folder); a direct test could only restate the keys written here, and
+what matters is that transformers reads them as maxlm encodes.
 """
 
 import json

@@ -5,6 +5,11 @@ all-gathers K/V and segment ids, and runs blockwise attention of its chunks agai
 sequence at their global offsets, so segments and causality are exact across shard boundaries.
 Autodiff turns the all-gather into a reduce-scatter for dK/dV. A window (local layer) passes
 through: blockwise places each chunk at its global offset, so its window bounds are global too.
+
+Tested through `attention(..., mesh=)` against the one-device reference on 8 simulated devices
+(tests/test_model_attention.py test_context_parallel_matches_reference, test_model_window.py
+test_context_parallel_equals_the_reference_with_a_window): equality with the reference, outputs
+and gradients, is this module's whole contract, so a direct test would repeat them.
 """
 
 import functools

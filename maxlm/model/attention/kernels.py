@@ -6,7 +6,10 @@ has no window.
 
 Both are given GQA, any length (padded to the tile with segment id 0) and the 1/sqrt(D) scale,
 and their padding rows are zeroed, so they keep `attention`'s contract. On CPU they run in
-Pallas interpret mode, which is how the tests prove them.
+Pallas interpret mode, which is how the tests prove them: tests/test_model_attention.py
+(test_every_impl_matches_reference, impls splash_causal and gpu_mha) and test_model_window.py
+compare them with the reference through `attention(impl=...)`, outputs and gradients; a direct
+test of the wrappers would check the same.
 """
 
 import functools

@@ -5,6 +5,11 @@ the keys, values, indexer keys and segment ids, and runs `sparse.sparse_blocks` 
 for its two chunks at their global offsets, so selection, causality and segments are exact
 across shard boundaries. The per-call sums are added over the batch and context axes.
 Heads stay whole inside the shard_map (a tensor axis computes them redundantly).
+
+Tested where its contract is stated, against one device: tests/test_train_sparse.py
+test_sparse_with_context_parallelism_matches_one_device trains the indexer warm-up and sparse
+stages with context=2 and compares with the run on one device (and its refusal of select=token);
+a direct test would need the same mesh and the same comparison.
 """
 
 import functools
