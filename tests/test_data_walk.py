@@ -2,13 +2,14 @@
 skip, and skipped files are listed by name (manifest and printout)."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from maxlm import MaxlmError
-from maxlm.data import documents, prepare, store
+from maxlm.data import documents, prepare, store, walk
 
 from datagen import QUALITY_OFF
 
@@ -117,3 +118,29 @@ def test_datatrove_tasks_read_the_as_text_files_too(corpus, tmp_path):
   tasks = _prepare(corpus, tmp_path / "tasks", as_text=globs, quality=config,
                    engine="datatrove", tasks=2)
   assert tasks["fingerprint"] == local["fingerprint"]
+
+
+def test_iter_files_order_sources_and_skip_counts(tmp_path):
+  """walk.iter_files directly: name order depth first, each file once, every skip counted."""
+  root = tmp_path / "corpus"
+  for rel in ("b.txt", "a/z.md", "a/y.txt", "a/notes.bin", ".hidden/x.txt", ".git/HEAD.txt",
+              "README"):
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text("text\n")
+  (root / "a" / "loop").symlink_to(root / "a")
+  (root / "again.txt").symlink_to(root / "b.txt")
+  (root / "gone.txt").symlink_to(root / "missing.txt")
+  single = tmp_path / "one.dat"
+  single.write_text("text\n")
+  report = documents.Report(verbose=True)
+  kind_of = lambda path: "text" if path.endswith((".txt", ".md")) else None
+  got = [(os.path.relpath(p, tmp_path), shown == p, source)
+         for p, shown, source in walk.iter_files([root, single, root / "b.txt"], report, kind_of)]
+  # again.txt (a link to b.txt) comes first in name order, so b.txt is the one already seen
+  assert got == [("corpus/a/y.txt", True, "corpus"), ("corpus/a/z.md", True, "corpus"),
+                 ("corpus/again.txt", True, "corpus"), ("one.dat", True, "one")]
+  assert {r: n for r, n in report.skipped.items() if n} == {
+      "vcs": 1, "hidden": 1, "symlink_loop": 1, "already_seen": 2, "dangling_link": 1}
+  assert dict(report.skipped_files) == {".bin": 1, "(none)": 1}
+  with pytest.raises(MaxlmError, match="input not found: .*nothing"):
+    walk.check_inputs([root, tmp_path / "nothing"])
