@@ -54,3 +54,19 @@ def test_memory_command_prints_every_stage(tmp_path, capsys, monkeypatch):
   code = cli.main(["memory", "configs/demo.yaml", "model.vocab_size=4096", "model.moe.experts=6",
                    "stages.0.mesh.data=1", "stages.0.mesh.expert=-1", "--devices", "4"])
   assert code == 2 and "6 experts do not split over mesh expert=4" in capsys.readouterr().err
+
+
+def test_each_stage_is_estimated_and_compiled_as_its_own_objective():
+  """An lm -> dpo schedule: the dpo stage holds a frozen reference copy of the parameters
+  (the estimate used to read train.objective, the run's default, for every stage: lm for
+  both), and `compiled` builds the dpo step, whose reference copy is an argument XLA counts."""
+  raw = config_lib.to_dict(config_lib.load(str(ROOT / "configs/demo.yaml"), BASE))
+  raw["stages"] = [raw["stages"][0], {**raw["stages"][0], "objective": "dpo"}]
+  raw["init"] = {**raw["init"], "from": "runs/sft"}  # dpo needs one; nothing is read here
+  cfg = config_lib.from_dict(raw)
+  lm, dpo = (memory.estimate(cfg, s, 1, 1024, platform="cpu") for s in (0, 1))
+  assert dpo["params"] == pytest.approx(2 * lm["params"])
+  assert dpo["optimizer"] == lm["optimizer"]
+  xla_lm, xla_dpo = (memory.compiled(cfg, s, 1, 1024) for s in (0, 1))
+  assert xla_dpo["arguments"] == pytest.approx(xla_lm["arguments"] + lm["params"], rel=0.02)
+  assert 0.75 <= dpo["total"] / xla_dpo["total"] <= 1.25, (dpo, xla_dpo)

@@ -20,7 +20,8 @@ device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
   logits       the loss's chunk of float32 logits [rows, loss_chunk, vocab] (three live copies)
                and d(hidden) [N, D]; it peaks at another moment than `working` + `attention`, so
                the total counts the larger of the two.
-DPO stages add a frozen float32 reference copy of the parameters (counted in `params`).
+Stages whose objective holds a frozen reference model (dpo; grpo with beta > 0) add a float32
+copy of the parameters (counted in `params`); the objective is the stage's own.
 Mixture of experts: `params` (and the optimizer and gradients) count ALL experts of every
 MoE layer, which a device holds whatever route its tokens take; the activation terms take F as
 the width a position goes through, averaged over layers ((top_k + shared) x the expert width
@@ -81,8 +82,8 @@ def estimate(config, s, n_devices, vocab, platform=None):
     kv = 2 * rows * stage.seq_len * k * hd * cdt  # gradients) permuted at full length
     zigzag = 2 * rows * stage.seq_len * 2 * (h + k) * hd * cdt
   kept = (scores + kv) if m.remat == "none" else 0
-  dpo = config.train.objective == "dpo"
-  parts = {"params": 4 * count * (2 if dpo else 1), "optimizer": 8 * count,
+  copies = 2 if holds_reference(config, s) else 1
+  parts = {"params": 4 * count * copies, "optimizer": 8 * count,
            "gradients": 4 * count * (2 if config.train.grad_accum > 1 else 1),
            "activations": m.n_layers * (n * saved * cdt + kept),
            "working": n * (w_f * f + w_a * (h + k) * hd + w_d * d) * 4 + 4 * layer_weights,
@@ -129,10 +130,17 @@ def _layers_gathered(axes, rules, shape):
              for path, dims, names in axes if path.startswith("layer"))
 
 
+def holds_reference(config, s):
+  """Whether stage s's step reads a frozen reference copy of the parameters."""
+  objective = config.objective_for(s)
+  return objective == "dpo" or (objective == "grpo" and config.train.grpo.beta > 0)
+
+
 def compiled(config, s, n_devices, vocab):
-  """XLA's accounting of stage s's compiled train step (language-model objective) on the
-  first n_devices devices: {arguments, outputs, aliased, temporaries, total} bytes a device,
-  total = arguments + outputs not aliased to the donated state + temporaries."""
+  """XLA's accounting of stage s's compiled train step, for the stage's objective (the one
+  maxlm/train/stage.py builds), on the first n_devices devices: {arguments, outputs, aliased,
+  temporaries, total} bytes a device, total = arguments + outputs not aliased to the donated
+  state + temporaries."""
   import jax
   from maxlm.model import build
   from maxlm.train import optimizer, stage as stage_lib, step as step_lib
@@ -148,17 +156,32 @@ def compiled(config, s, n_devices, vocab):
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
                                                           stage.seq_len)), shardings)
-  row = jax.ShapeDtypeStruct((stage.batch, stage.seq_len), np.int32,
-                             sharding=mesh_lib.batch_sharding(mesh, config.rules))
-  batch = dict.fromkeys(("inputs", "targets", "segment_ids", "positions", "loss_mask"), row)
-  step = jax.jit(step_lib.make_train_step(model, opt, schedule, config.rules, model.cfg,
-                                          config.train.grad_accum), donate_argnums=0)
+  step = jax.jit(stage_lib.train_step(config, s, model, opt, schedule), donate_argnums=0)
   with mesh:
-    stats = step.lower(state, batch).compile().memory_analysis()
+    stats = step.lower(state, *_step_inputs(config, s, mesh, state)).compile().memory_analysis()
   out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
          "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
   return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
           + out["temporaries"]}
+
+
+def _step_inputs(config, s, mesh, state):
+  """The abstract arguments after the state that stage s's step takes for its objective."""
+  import jax
+  import jax.numpy as jnp
+  stage, objective = config.stages[s], config.objective_for(s)
+  sharding = mesh_lib.batch_sharding(mesh, config.rules)
+  rows = lambda dtype: jax.ShapeDtypeStruct((stage.batch, stage.seq_len), dtype,
+                                            sharding=sharding)
+  batch = {k: rows(np.int32) for k in ("inputs", "targets", "segment_ids", "positions",
+                                       "loss_mask")}
+  reference = state["params"] if holds_reference(config, s) else None
+  if objective == "dpo":
+    return {**batch, "roles": rows(np.int32)}, reference
+  if objective == "grpo":
+    batch.update(roles=rows(np.int32), advantages=rows(np.float32), weights=rows(np.float32))
+    return batch, rows(np.float32), reference, jax.ShapeDtypeStruct((), jnp.int32)
+  return (batch,)
 
 
 def format_table(config, estimates, n_devices, counts=None):
