@@ -290,8 +290,7 @@ def test_workers_are_capped_by_cores_and_memory_with_a_note(monkeypatch):
 _POOL_SCRIPT = """
 import os, signal, sys
 from maxlm.data import datadir, workers
-staging = datadir.Staging(sys.argv[1])
-workers.lock_files.add(staging._lock_file)
+staging = datadir.Staging(sys.argv[1])  # its --out lock: in workers.lock_files (outlock.py)
 with workers.pool(2) as pool:
   ignored = pool.apply(signal.getsignal, (signal.SIGINT,)) == signal.SIG_IGN
   print(ignored, *[w.pid for w in pool._pool], flush=True)

@@ -25,7 +25,6 @@ one line naming the shard and block, for one hash pass over the data (tools/benc
 measures it against the loader).
 """
 
-import fcntl
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ import shutil
 import xxhash
 
 from maxlm import MaxlmError, io
+from maxlm.data import outlock
 
 MANIFEST = "manifest.json"
 BLOCK_BYTES = 64 * 2**20  # a token shard's digest block (store.TokenStore checks each once)
@@ -61,6 +61,7 @@ class Staging:
     self.local = io.is_local(self.out)
     self.files, self.old = {}, []
     self._manifest_dropped = False
+    self.lock = None
     if self.local:
       self._check_local()
     else:
@@ -75,7 +76,7 @@ class Staging:
       above = above.parent
     if not above.is_dir():
       raise MaxlmError(f"cannot write --out {self.out}: {above} is a file, not a folder")
-    self._lock(out)
+    self.lock = outlock.OutLock(out, self.out)
     self._clean_stale(out)
     try:
       if out.is_dir():
@@ -88,37 +89,10 @@ class Staging:
     except OSError as e:
       raise MaxlmError(f"cannot write --out {self.out}: {e.strerror or e}") from None
 
-  def _lock(self, out):
-    """One prepare per --out: an flock on the sibling `.OUT.prepare-lock`, held to the end and
-    then removed (a lock taken on a file already unlinked by its last holder does not count)."""
-    self._lock_path = out.parent / f".{out.name}.prepare-lock"
-    try:
-      out.parent.mkdir(parents=True, exist_ok=True)
-      self._lock_file = open(self._lock_path, "a+")
-      fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      if os.stat(self._lock_path).st_ino != os.fstat(self._lock_file.fileno()).st_ino:
-        raise BlockingIOError
-    except (BlockingIOError, FileNotFoundError):
-      self._lock_file.seek(0)
-      holder = self._lock_file.read().strip() or "another process"
-      raise MaxlmError(f"another maxlm prepare ({holder}) is writing --out {self.out}; wait for "
-                       "it to finish, or choose another --out") from None
-    except OSError as e:
-      raise MaxlmError(f"cannot write --out {self.out}: {e.strerror or e}") from None
-    self._lock_file.seek(0)
-    self._lock_file.truncate()
-    self._lock_file.write(f"pid {os.getpid()}")
-    self._lock_file.flush()
-
   def release(self):
-    lock = getattr(self, "_lock_file", None)
-    if lock is not None:
-      try:
-        os.unlink(self._lock_path)
-      except OSError:
-        pass
-      lock.close()  # closing drops the flock
-      self._lock_file = None
+    """Drops the --out lock (a local data dir's; see outlock.py)."""
+    if self.lock is not None:
+      self.lock.release()
 
   def _clean_stale(self, out):
     pattern = re.compile(re.escape(out.name) + r"\.(partial|old)-(\d+)")

@@ -17,6 +17,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import typing
 
 import numpy as np
 import tqdm
@@ -46,39 +47,59 @@ def training_sentences(docs, max_chars=40_000_000):
 
 
 PROMPTS = "prompts.jsonl"  # the RL prompts {id, source, prompt, gold} (pairs.py)
-_SP = None
-_MAX_PAIR = pairs.MAX_PAIR_LEN  # set before the worker pool forks
+_worker = None  # this tokenize worker's _WorkerState, set by _init_worker as the pool starts it
 
 
-def _init_worker(model_proto):
-  global _SP
-  _SP = tokenizer.load(model_proto)
+class _WorkerState(typing.NamedTuple):
+  sp: object  # the SentencePiece processor
+  max_pair_len: int
+
+
+def _init_worker(model_proto, max_pair_len):
+  global _worker
+  _worker = _WorkerState(tokenizer.load(model_proto), int(max_pair_len))
+
+
+class Encoded(typing.NamedTuple):
+  """One input document after a worker: `kind` says which other fields hold it.
+
+  document: `record`, DataDirWriter.add's arguments (source, id, tokens, bound_pos,
+  bound_level, no-loss intervals, utf8 bytes, split id, language probability); pair: `record`
+  too, with `pair` (prompt, chosen lengths) and `truncated` (whether the prompt was cut);
+  prompt: `prompt`, the RL prompt's {id, source, prompt, gold}; rejected_pair: `reason`, and
+  `doc` (its source, id, where and utf8 bytes: {source, id, where, nbytes})."""
+  kind: str  # document | pair | prompt | rejected_pair
+  record: tuple = ()
+  pair: tuple = (0, 0)
+  truncated: bool = False
+  prompt: dict | None = None
+  reason: str = ""
+  doc: dict | None = None
 
 
 def encode_document(doc):
-  """(source, id, tokens, bound_pos, bound_level, no-loss intervals, utf8 bytes, split id,
-  language probability); for a pair or an RL prompt, a dict (see `_prepare`)."""
+  """The Encoded form of one document, in a worker started by _init_worker."""
   if doc["kind"] == "prompt":
-    return {"prompt": {"id": doc["id"], "source": doc["source"], "prompt": doc["prompt"],
-                       "gold": doc["gold"]}}
+    return Encoded("prompt", prompt={"id": doc["id"], "source": doc["source"],
+                                     "prompt": doc["prompt"], "gold": doc["gold"]})
   if doc["kind"] == "pair":
-    tokens, pc, truncated = pairs.encode(_SP, doc, _MAX_PAIR)
-    if tokens is None:
-      return {"reject": pc, "where": doc["where"], "id": doc["id"], "source": doc["source"],
-              "nbytes": sum(len(t.encode()) for t in pairs.texts(doc))}
+    tokens, pc, truncated = pairs.encode(_worker.sp, doc, _worker.max_pair_len)
     nbytes = sum(len(t.encode()) for t in pairs.texts(doc))
-    return {"pair": pc, "truncated": truncated,
-            "record": (doc["source"], doc["id"], tokens, (), (), np.zeros((0, 2), np.int32),
-                       nbytes, doc.get("split_id"), doc.get("lang_score", float("nan")))}
-  return (doc["source"], doc["id"], *_encode(doc), doc.get("split_id"),
-          doc.get("lang_score", float("nan")))
+    if tokens is None:
+      return Encoded("rejected_pair", reason=pc, doc={
+          "where": doc["where"], "id": doc["id"], "source": doc["source"], "nbytes": nbytes})
+    return Encoded("pair", pair=pc, truncated=truncated, record=(
+        doc["source"], doc["id"], tokens, (), (), np.zeros((0, 2), np.int32), nbytes,
+        doc.get("split_id"), doc.get("lang_score", float("nan"))))
+  return Encoded("document", record=(doc["source"], doc["id"], *_encode(doc),
+                                     doc.get("split_id"), doc.get("lang_score", float("nan"))))
 
 
 def _encode(doc):
   if doc["kind"] == "chat":
     return _encode_chat(doc["messages"])
   blocks = sections.split(doc["text"], doc["kind"])
-  ids = _SP.encode([b for b, _ in blocks])
+  ids = _worker.sp.encode([b for b, _ in blocks])
   lengths = np.cumsum([len(x) for x in ids])
   keep = [i for i in range(1, len(blocks)) if blocks[i][1] and 0 < lengths[i - 1]]
   pos = np.array([lengths[i - 1] for i in keep], np.int32)
@@ -91,8 +112,8 @@ def _encode_chat(messages):
   """Role header and non-assistant turns are no-loss; assistant content and its end count."""
   parts, no_loss, bounds, n = [], [], [], 0
   for m in messages:
-    header = [_SP.piece_to_id(f"<|{m['role']}|>")] + _SP.encode("\n")
-    body = _SP.encode(m["content"]) + [_SP.piece_to_id(tokenizer.CHAT_END)]
+    header = [_worker.sp.piece_to_id(f"<|{m['role']}|>")] + _worker.sp.encode("\n")
+    body = _worker.sp.encode(m["content"]) + [_worker.sp.piece_to_id(tokenizer.CHAT_END)]
     if n:
       bounds.append(n)
     loss_from = n + len(header) if m["role"] == "assistant" else n + len(header) + len(body)
@@ -130,14 +151,10 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
   strict: a source the funnel warns about (quality/funnel.py `warnings`) is an error, raised
   before tokenizing; otherwise each warning is logged and kept in the manifest.
   """
-  global _MAX_PAIR
-  _MAX_PAIR = int(max_pair_len)
   report = Report(verbose, as_text)
   walk.check_inputs(inputs)
   model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
   staging = datadir.Staging(out_dir, overwrite, log)
-  if getattr(staging, "_lock_file", None) is not None:
-    workers_lib.lock_files.add(staging._lock_file)  # no worker keeps --out's lock
   workers = workers_lib.count(workers, log)
   spill, listed = None, funnel_lib.Rejected(None)
   try:
@@ -151,7 +168,7 @@ def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=
       _warn(report.funnel, strict, log, quality)
     report.rejected_list = listed
     manifest = _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction,
-                        workers, progress, spill)
+                        workers, progress, spill, max_pair_len)
   except BaseException:
     staging.abort()
     listed.discard()
@@ -202,7 +219,7 @@ def _select(inputs, report, quality, workers, progress, rejected, spill_dir, eng
 
 
 def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, workers, progress,
-             spill):
+             spill, max_pair_len):
   if model_proto is None:
     first_pass, seen = Report(as_text=report.as_text), []
     kept = select.read_spill(spill) if spill else iter_documents(inputs, first_pass)
@@ -218,28 +235,32 @@ def _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction, wor
   special = tokenizer.special_ids(sp)
 
   writer = DataDirWriter(staging)
-  with workers_lib.pool(workers, _init_worker, (model_proto,)) as pool:
+  with workers_lib.pool(workers, _init_worker, (model_proto, max_pair_len)) as pool:
     docs = (select.read_spill(spill) if spill else
             unique_ids(iter_documents(inputs, report), report))
     encoded = select.bounded_imap(pool, encode_document, docs)
-    for record in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
-      if not isinstance(record, dict):
-        writer.add(*record)
-      elif "prompt" in record:
-        writer.prompts.append(record["prompt"])
-      elif "reject" in record:
-        report.reject_pair(record["reject"], record["where"], listen=False)
-        if report.funnel is not None:
-          report.funnel.remove_kept(record["source"], record["nbytes"], "over_long",
-                                    record["reject"])
-        report.rejected_list.write(
-            record, "over_long" if report.funnel is not None else "input", record["reject"])
+    for done in tqdm.tqdm(encoded, desc="tokenize", unit="doc", disable=not progress):
+      if done.kind == "document":
+        writer.add(*done.record)
+      elif done.kind == "pair":
+        report.truncated_pairs += done.truncated
+        writer.add(*done.record, pair=done.pair)
+      elif done.kind == "prompt":
+        writer.prompts.append(done.prompt)
       else:
-        report.truncated_pairs += record["truncated"]
-        writer.add(*record["record"], pair=record["pair"])
+        _reject_pair(report, done)
   if not writer.doc_ids and not writer.prompts:
     raise _no_documents(inputs, report)
   return writer.finish(report, special, sp.vocab_size(), model_proto, val_fraction)
+
+
+def _reject_pair(report, done):
+  """Counts and lists a preference pair too long to fit (an Encoded of kind rejected_pair)."""
+  report.reject_pair(done.reason, done.doc["where"], listen=False)
+  if report.funnel is not None:
+    report.funnel.remove_kept(done.doc["source"], done.doc["nbytes"], "over_long", done.reason)
+  report.rejected_list.write(done.doc, "over_long" if report.funnel is not None else "input",
+                             done.reason)
 
 
 def _read_tokenizer(path):
