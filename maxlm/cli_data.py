@@ -86,12 +86,12 @@ def cmd_prepare(args):
     raise MaxlmError("--tasks and --workers must be >= 1")
   quality = _quality_config(args)
   _check_outputs(args)
-  manifest = prepare.prepare(args.inputs, args.out, args.vocab_size, args.tokenizer,
-                             args.val_fraction, args.workers, overwrite=args.overwrite,
-                             verbose=args.verbose, quality=quality, rejected=args.rejected,
-                             engine=args.engine, tasks=args.tasks,
-                             inspect_dir=args.inspect_dir, as_text=args.as_text,
-                             max_pair_len=args.max_pair_len, strict=args.strict)
+  options = prepare.Options(
+      vocab_size=args.vocab_size, tokenizer_file=args.tokenizer, val_fraction=args.val_fraction,
+      workers=args.workers, overwrite=args.overwrite, verbose=args.verbose, quality=quality,
+      rejected=args.rejected, engine=args.engine, tasks=args.tasks, inspect_dir=args.inspect_dir,
+      as_text=args.as_text, max_pair_len=args.max_pair_len, strict=args.strict)
+  manifest = prepare.prepare(args.inputs, args.out, options)
   _print_manifest(manifest, args.out, args.verbose)
   _show_funnel(manifest, args.funnel_png, warnings=False)  # prepare printed them already
 

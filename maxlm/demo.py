@@ -46,7 +46,7 @@ def run(config_name="demo"):
   if not _prepared(cfg.data.dir):
     print(f"[2/7] training the tokenizer and preparing {cfg.data.dir}")
     prepare.prepare([str(raw_dir / "prose.jsonl"), str(raw_dir / "code.jsonl")], cfg.data.dir,
-                    vocab_size=4096, overwrite=True, quality=DEMO_QUALITY)
+                    prepare.Options(vocab_size=4096, overwrite=True, quality=DEMO_QUALITY))
   else:
     print(f"[2/7] prepared data: reusing {cfg.data.dir}")
   data = loader.Data(cfg)

@@ -89,7 +89,7 @@ def demo_data(tmp_path_factory):
   from maxlm.data import corpus, prepare
   root = tmp_path_factory.mktemp("demo_data")
   raw = corpus.build(str(root / "raw"), bytes_per_source=300_000)
-  prepare.prepare(raw, str(root / "data"), vocab_size=1024, progress=False)
+  prepare.prepare(raw, str(root / "data"), prepare.Options(vocab_size=1024, progress=False))
   return root / "data"
 
 

@@ -30,7 +30,8 @@ def tok(tmp_path_factory):
 
 
 def run(inputs, out, tok, **kw):
-  return prepare.prepare(inputs, str(out), tokenizer_file=tok, workers=1, progress=False, **kw)
+  return prepare.prepare(inputs, str(out),
+                         prepare.Options(tokenizer_file=tok, workers=1, progress=False, **kw))
 
 
 def first_text(data_dir, tok):

@@ -47,8 +47,9 @@ def prepared(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("pairs")
   src = tmp / "in.jsonl"
   src.write_text("".join(json.dumps(r) + "\n" for r in _records()))
-  manifest = prepare.prepare([str(src)], str(tmp / "data"), vocab_size=300, progress=False,
-                             val_fraction=0.0, max_pair_len=400)
+  manifest = prepare.prepare([str(src)], str(tmp / "data"),
+                             prepare.Options(vocab_size=300, progress=False, val_fraction=0.0,
+                                             max_pair_len=400))
   return tmp / "data", manifest
 
 

@@ -40,8 +40,9 @@ def prepared(tmp_path_factory):
                    for line in lines)
   (root / "mixed.jsonl").write_bytes(raw)
   out = root / "data"
-  manifest = prepare.prepare([str(code), str(root / "mixed.jsonl")], str(out), vocab_size=700,
-                             val_fraction=0.2, workers=2, progress=False)
+  manifest = prepare.prepare([str(code), str(root / "mixed.jsonl")], str(out),
+                             prepare.Options(vocab_size=700, val_fraction=0.2, workers=2,
+                                             progress=False))
   return out, manifest
 
 
@@ -138,6 +139,8 @@ def test_only_bad_input_is_a_clear_error(tmp_path):
   bad = tmp_path / "bad.jsonl"
   bad.write_text("{oops\n" + json.dumps({"text": " "}) + "\n")
   with pytest.raises(MaxlmError, match="no usable documents.*malformed_json"):
-    prepare.prepare([str(bad)], str(tmp_path / "out"), vocab_size=300, progress=False)
+    prepare.prepare([str(bad)], str(tmp_path / "out"),
+                    prepare.Options(vocab_size=300, progress=False))
   with pytest.raises(MaxlmError, match="input not found"):
-    prepare.prepare([str(tmp_path / "missing")], str(tmp_path / "out"), progress=False)
+    prepare.prepare([str(tmp_path / "missing")], str(tmp_path / "out"),
+                    prepare.Options(progress=False))

@@ -26,8 +26,8 @@ def tok(tmp_path_factory):
 
 def run(inputs, out, tok=None, **kw):
   kw.setdefault("vocab_size", 350)
-  return prepare.prepare([str(i) for i in inputs], str(out), tokenizer_file=tok, workers=1,
-                         progress=False, **kw)
+  return prepare.prepare([str(i) for i in inputs], str(out),
+                         prepare.Options(tokenizer_file=tok, workers=1, progress=False, **kw))
 
 
 def documents(manifest):

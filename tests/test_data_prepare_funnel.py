@@ -28,8 +28,9 @@ def write_jsonl(path, rows):
 def test_val_fraction_zero_holds_nothing_out(tmp_path):
   docs = [{"id": f"d{i}", "text": t} for i, t in enumerate(planted.english_docs(6, words=80))]
   path = write_jsonl(tmp_path / "a.jsonl", docs)
-  manifest = prepare.prepare([str(path)], str(tmp_path / "out"), vocab_size=400, workers=1,
-                             progress=False, val_fraction=0.0)
+  manifest = prepare.prepare([str(path)], str(tmp_path / "out"),
+                             prepare.Options(vocab_size=400, workers=1, progress=False,
+                                             val_fraction=0.0))
   assert manifest["sources"]["a"]["heldout_documents"] == 0
   index = store.load_index(str(tmp_path / "out"))
   assert (index.split == store.TRAIN).all()
@@ -46,9 +47,10 @@ def test_rejected_lists_input_rejects_and_over_long_pairs(tmp_path):
   path = tmp_path / "in.jsonl"
   path.write_text("\n".join(lines) + "\n")
   rejected = tmp_path / "rejected.jsonl"
-  manifest = prepare.prepare([str(path)], str(tmp_path / "out"), vocab_size=400, workers=1,
-                             progress=False, quality=quality.QualityConfig(lang=("any",)),
-                             rejected=str(rejected), max_pair_len=64)
+  manifest = prepare.prepare([str(path)], str(tmp_path / "out"),
+                             prepare.Options(vocab_size=400, workers=1, progress=False,
+                                             quality=quality.QualityConfig(lang=("any",)),
+                                             rejected=str(rejected), max_pair_len=64))
   rows = [json.loads(line) for line in rejected.read_text().splitlines()]
   by_rule = {r["rule"]: r for r in rows}
   assert {"empty", "bad_unicode", "malformed_json", "missing_text"} <= set(by_rule)
@@ -132,8 +134,8 @@ def test_kinds_from_a_quality_file_and_the_datatrove_engine_give_the_same_data_d
   config = quality.load(str(tmp_path / "q.yaml"))
   assert config.kinds == {"prose": "prose"}
   run = lambda name, **kw: prepare.prepare([str(code), str(prose)], str(tmp_path / name),
-                                           vocab_size=400, workers=1, progress=False,
-                                           quality=config, **kw)
+                                           prepare.Options(vocab_size=400, workers=1,
+                                                           progress=False, quality=config, **kw))
   local = run("local")
   sources = local["funnel"]["sources"]
   assert sources["code"]["kinds_from"] == {"content": 5}

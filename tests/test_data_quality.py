@@ -46,9 +46,10 @@ def planted(tmp_path_factory):
 def run(planted, workers, name):
   root, path, _, _ = planted
   rejected = root / f"{name}.rejected.jsonl"
-  manifest = prepare.prepare([path], str(root / name), vocab_size=600, workers=workers,
-                             progress=False, quality=quality.QualityConfig(),
-                             rejected=str(rejected), val_fraction=0.2)
+  manifest = prepare.prepare([path], str(root / name),
+                             prepare.Options(vocab_size=600, workers=workers, progress=False,
+                                             quality=quality.QualityConfig(),
+                                             rejected=str(rejected), val_fraction=0.2))
   removed = {r["id"]: r for r in map(json.loads, rejected.read_text().splitlines())}
   return manifest, removed
 
@@ -106,9 +107,10 @@ def test_datatrove_engine_gives_the_same_data_dir(planted, tasks, workers):
                       "installed")
   root, path, _, _ = planted
   local, _ = run(planted, 2, f"engine-local-{tasks}")
-  other = prepare.prepare([path], str(root / f"engine-{tasks}"), vocab_size=600,
-                          workers=workers, progress=False, quality=quality.QualityConfig(),
-                          val_fraction=0.2, engine="datatrove", tasks=tasks)
+  other = prepare.prepare([path], str(root / f"engine-{tasks}"),
+                          prepare.Options(vocab_size=600, workers=workers, progress=False,
+                                          quality=quality.QualityConfig(), val_fraction=0.2,
+                                          engine="datatrove", tasks=tasks))
   assert other["fingerprint"] == local["fingerprint"]
   assert other["funnel"] == local["funnel"]
 
@@ -121,20 +123,23 @@ def test_records_from_a_cluster_are_merged_into_the_same_data_dir(planted):
   inspector = quality.Inspector(quality.QualityConfig())
   for rank in (2, 0, 1):  # as three cluster tasks would, in any order
     list(engine.inspect_shard([path], inspector, work, rank=rank, world_size=3))
-  merged = prepare.prepare([path], str(root / "cluster"), vocab_size=600, workers=2,
-                           progress=False, quality=quality.QualityConfig(), val_fraction=0.2,
-                           engine="datatrove", tasks=3, inspect_dir=work)
+  merged = prepare.prepare([path], str(root / "cluster"),
+                           prepare.Options(vocab_size=600, workers=2, progress=False,
+                                           quality=quality.QualityConfig(), val_fraction=0.2,
+                                           engine="datatrove", tasks=3, inspect_dir=work))
   assert merged["fingerprint"] == local["fingerprint"]
   with pytest.raises(MaxlmError, match="task 0 inspected with other quality settings"):
-    prepare.prepare([path], str(root / "cluster-other"), vocab_size=600, workers=2,
-                    progress=False, quality=quality.load(None, ["gopher_min_words=10"]),
-                    engine="datatrove", tasks=3, inspect_dir=work)
+    prepare.prepare([path], str(root / "cluster-other"),
+                    prepare.Options(vocab_size=600, workers=2, progress=False,
+                                    quality=quality.load(None, ["gopher_min_words=10"]),
+                                    engine="datatrove", tasks=3, inspect_dir=work))
 
 
 def test_language_any_and_filters_off_keep_everything_usable(planted):
   root, path, rows, _ = planted
-  manifest = prepare.prepare([path], str(root / "off"), vocab_size=600, workers=1,
-                             progress=False, quality=quality.OFF)
+  manifest = prepare.prepare([path], str(root / "off"),
+                             prepare.Options(vocab_size=600, workers=1, progress=False,
+                                             quality=quality.OFF))
   assert manifest["funnel"]["kept"]["documents"] == len(rows)
 
 

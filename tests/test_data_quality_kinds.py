@@ -22,9 +22,11 @@ N = 24  # documents per group
 def real(tmp_path_factory):
   root = tmp_path_factory.mktemp("real")
   truth, inputs = realtext.write(str(root), N)
-  manifest = prepare.prepare(inputs, str(root / "out"), vocab_size=1000, workers=2,
-                             progress=False, quality=quality.QualityConfig(),
-                             rejected=str(root / "rejected.jsonl"), log=lambda *a: None)
+  manifest = prepare.prepare(inputs, str(root / "out"),
+                             prepare.Options(vocab_size=1000, workers=2, progress=False,
+                                             quality=quality.QualityConfig(),
+                                             rejected=str(root / "rejected.jsonl")),
+                             log=lambda *a: None)
   ids = store.load_doc_ids(str(root / "out"))
   sp = tokenizer.load((root / "out" / "tokenizer.model").read_bytes())
   tokens = store.TokenStore(str(root / "out"))

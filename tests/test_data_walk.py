@@ -36,7 +36,8 @@ def corpus(tmp_path):
 
 def _prepare(corpus, out, **kw):
   return prepare.prepare([str(corpus / "licenses"), str(corpus / "notes")], str(out),
-                         vocab_size=320, val_fraction=0.0, workers=1, progress=False, **kw)
+                         prepare.Options(vocab_size=320, val_fraction=0.0, workers=1,
+                                         progress=False, **kw))
 
 
 def test_skipped_files_are_listed_by_name(corpus, tmp_path):
@@ -85,8 +86,8 @@ def test_prepare_prints_skipped_names_and_the_flag(corpus, tmp_path):
 
 def test_only_unreadable_kinds_is_an_error_naming_them(corpus, tmp_path):
   with pytest.raises(MaxlmError, match=r"skipped files: \{.*'\(none\)': 2.*\}\); --as-text GLOB"):
-    prepare.prepare([str(corpus / "licenses")], str(tmp_path / "data"), vocab_size=320,
-                    progress=False)
+    prepare.prepare([str(corpus / "licenses")], str(tmp_path / "data"),
+                    prepare.Options(vocab_size=320, progress=False))
 
 
 def test_cluster_records_carry_the_as_text_globs(corpus, tmp_path):

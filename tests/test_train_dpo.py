@@ -122,12 +122,13 @@ def pretrained(tmp_path_factory):
   from maxlm.train import loop
   tmp = tmp_path_factory.mktemp("dpo")
   raw = corpus.build(str(tmp / "raw"), bytes_per_source=200_000)
-  prepare.prepare(raw, str(tmp / "data"), vocab_size=512, progress=False)
+  prepare.prepare(raw, str(tmp / "data"), prepare.Options(vocab_size=512, progress=False))
   cfg = _config(tmp / "pre.yaml", tmp / "data", tmp / "pre")
   loop.train(cfg, log=lambda *a: None)
   src = demo_pairs(raw, tmp / "pairs.jsonl")
-  prepare.prepare([str(src)], str(tmp / "pairs"), tokenizer_file=str(tmp / "data" /
-                  "tokenizer.model"), val_fraction=0.0, progress=False, max_pair_len=128)
+  prepare.prepare([str(src)], str(tmp / "pairs"),
+                  prepare.Options(tokenizer_file=str(tmp / "data" / "tokenizer.model"),
+                                  val_fraction=0.0, progress=False, max_pair_len=128))
   return tmp
 
 

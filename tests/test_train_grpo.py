@@ -263,8 +263,8 @@ def task(tmp_path_factory, demo_data):
   for name, rows in (("sft", sft), ("prompts", rl), ("heldout", held)):
     (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   prepare.prepare([str(tmp / "sft.jsonl"), str(tmp / "prompts.jsonl")], str(tmp / "data"),
-                  tokenizer_file=str(demo_data / "tokenizer.model"), val_fraction=0.0,
-                  progress=False)
+                  prepare.Options(tokenizer_file=str(demo_data / "tokenizer.model"),
+                                  val_fraction=0.0, progress=False))
   loop.train(_config(tmp / "sft.yaml", tmp / "sft", tmp / "data"), log=lambda *a: None)
   return tmp
 

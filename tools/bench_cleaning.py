@@ -44,8 +44,10 @@ def measure(n, show, work):
   report = documents.Report()
   docs = list(documents.iter_documents(inputs, report))
   t = time.process_time()
-  manifest = prepare.prepare(inputs, f"{work}/out", vocab_size=2000, workers=2, progress=False,
-                             quality=quality.QualityConfig(), rejected=f"{work}/rejected.jsonl",
+  manifest = prepare.prepare(inputs, f"{work}/out",
+                             prepare.Options(vocab_size=2000, workers=2, progress=False,
+                                             quality=quality.QualityConfig(),
+                                             rejected=f"{work}/rejected.jsonl"),
                              log=lambda *a: None)
   wall_cpu = time.process_time() - t
   ids = store.load_doc_ids(f"{work}/out")

@@ -195,7 +195,8 @@ def prepare_demo_data(data_dir):
   if not os.path.exists(os.path.join(raw, "code.jsonl")):
     corpus.build(raw)
   prepare.prepare([os.path.join(raw, "prose.jsonl"), os.path.join(raw, "code.jsonl")], data_dir,
-                  vocab_size=4096, overwrite=True, quality=demo.DEMO_QUALITY, progress=False)
+                  prepare.Options(vocab_size=4096, overwrite=True, quality=demo.DEMO_QUALITY,
+                                  progress=False))
 
 
 def main():

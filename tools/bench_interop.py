@@ -162,7 +162,8 @@ def main(argv=None):
   with tempfile.TemporaryDirectory(prefix="bench-interop-") as work:
     from maxlm.data import corpus, prepare
     raw = corpus.build(os.path.join(work, "raw"), bytes_per_source=200_000)
-    prepare.prepare(raw, os.path.join(work, "data"), vocab_size=1024, progress=False)
+    prepare.prepare(raw, os.path.join(work, "data"),
+                    prepare.Options(vocab_size=1024, progress=False))
     result = {"parity_max_abs_logit_difference": parity_numbers(os.path.join(work, "parity")),
               "trained_demo_model": trained_parity(work, os.path.join(work, "data"))}
     if not args.skip_timing:

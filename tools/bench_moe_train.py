@@ -45,8 +45,8 @@ def ensure_data(data_dir):
   from maxlm.data import corpus, prepare
   raw = os.path.join(os.path.dirname(data_dir), "raw")
   corpus.build(raw)
-  prepare.prepare([os.path.join(raw, "prose.jsonl"), os.path.join(raw, "code.jsonl")],
-                  data_dir, vocab_size=4096, overwrite=True, quality=demo.DEMO_QUALITY)
+  prepare.prepare([os.path.join(raw, "prose.jsonl"), os.path.join(raw, "code.jsonl")], data_dir,
+                  prepare.Options(vocab_size=4096, overwrite=True, quality=demo.DEMO_QUALITY))
 
 
 def _timed(fn, *args, repeats=5):

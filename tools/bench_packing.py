@@ -111,8 +111,9 @@ def prepared(data_dir, bytes_per_source, vocab_size=4096):
   os.makedirs(data_dir, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(data_dir))) as raw:
     inputs = build_corpus(raw, bytes_per_source)
-    prepare.prepare(inputs, data_dir, vocab_size=vocab_size, val_fraction=0.0, progress=False,
-                    overwrite=True, log=lambda *a, **k: None)
+    prepare.prepare(inputs, data_dir,
+                    prepare.Options(vocab_size=vocab_size, val_fraction=0.0, progress=False,
+                                    overwrite=True), log=lambda *a, **k: None)
   return data_dir
 
 

@@ -66,8 +66,9 @@ def build_corpus(path, mb, seed=0):
 
 def timed_prepare(inp, out, config, workers):
   t = time.perf_counter()
-  manifest = prepare.prepare([inp], out, vocab_size=2000, workers=workers, progress=False,
-                             quality=config, rejected=out + ".rejected.jsonl")
+  manifest = prepare.prepare([inp], out,
+                             prepare.Options(vocab_size=2000, workers=workers, progress=False,
+                                             quality=config, rejected=out + ".rejected.jsonl"))
   return time.perf_counter() - t, manifest
 
 

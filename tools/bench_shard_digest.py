@@ -25,7 +25,7 @@ from maxlm.data import corpus, loader, prepare, store
 def prepared(root, mb):
   raw = corpus.build(os.path.join(root, "raw"), bytes_per_source=int(mb * 1e6))
   out = os.path.join(root, "data")
-  prepare.prepare(raw, out, vocab_size=4096, progress=False, log=lambda *_: None)
+  prepare.prepare(raw, out, prepare.Options(vocab_size=4096, progress=False), log=lambda *_: None)
   return out
 
 

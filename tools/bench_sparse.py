@@ -134,7 +134,7 @@ def recall_demo(workdir):
   from maxlm.model import build
   from maxlm.train import checkpoint, loop, resume, stage as stage_lib
   raw = corpus.build(f"{workdir}/raw", bytes_per_source=600_000)
-  prepare.prepare(raw, f"{workdir}/data", vocab_size=1024, progress=False)
+  prepare.prepare(raw, f"{workdir}/data", prepare.Options(vocab_size=1024, progress=False))
   ladder = ["model.size=tiny", f"data.dir={workdir}/data", f"run_dir={workdir}/run",
             "stages.0.steps=60", "stages.1.steps=40", "stages.1.sparse.mode=indexer_warmup",
             "stages.1.sparse.topk=64", "stages.2.steps=20", "stages.2.sparse.mode=sparse",

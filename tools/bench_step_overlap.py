@@ -53,7 +53,7 @@ def main(argv=None):
   with tempfile.TemporaryDirectory() as base:
     raw = corpus.build(os.path.join(base, "raw"), bytes_per_source=400_000)
     data_dir = os.path.join(base, "data")
-    prepare.prepare(raw, data_dir, vocab_size=1024, progress=False)
+    prepare.prepare(raw, data_dir, prepare.Options(vocab_size=1024, progress=False))
     run(base, data_dir, args, True)  # compiles the step
     before, after = [], []
     for _ in range(args.repeats):

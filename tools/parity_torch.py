@@ -58,7 +58,7 @@ def prepare_data(root):
   from maxlm.data import corpus, prepare
   raw = corpus.build(os.path.join(root, "raw"), bytes_per_source=300_000)
   out = os.path.join(root, "data")
-  prepare.prepare(raw, out, vocab_size=1024, progress=False, log=lambda *_: None)
+  prepare.prepare(raw, out, prepare.Options(vocab_size=1024, progress=False), log=lambda *_: None)
   return out
 
 

@@ -67,7 +67,7 @@ def ensure_data(data_dir):
   if not os.path.exists(os.path.join(raw, "code.jsonl")):
     corpus.build(raw)
   prepare.prepare([os.path.join(raw, "prose.jsonl"), os.path.join(raw, "code.jsonl")], data_dir,
-                  vocab_size=4096, overwrite=True, quality=demo.DEMO_QUALITY)
+                  prepare.Options(vocab_size=4096, overwrite=True, quality=demo.DEMO_QUALITY))
 
 
 def overrides(data_dir, run_dir, devices, extra=()):

@@ -132,43 +132,63 @@ def heldout(source, doc_id, fraction):
   return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def prepare(inputs, out_dir, vocab_size=8192, tokenizer_file=None, val_fraction=0.01,
-            workers=None, progress=True, overwrite=False, verbose=False, log=print,
-            quality=None, rejected=None, engine="local", tasks=None, inspect_dir=None,
-            as_text=(), max_pair_len=pairs.MAX_PAIR_LEN, strict=False):
-  """Runs the whole preparation and returns the manifest dict.
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How `prepare` runs (the `maxlm prepare` flags).
 
-  Inputs, `tokenizer_file` and `out_dir` are checked first; the data dir appears (or replaces an
-  old one, with `overwrite`) only once complete. quality: a `quality.QualityConfig` to filter
-  and deduplicate with (None: keep every usable document, as `quality.OFF` does); rejected: a
-  JSON Lines path listing every rejected document (those rejected while reading, under step
-  `input`, too). engine: "local" (a
-  process pool) or "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers`
-  processes; `quality.engine`) for the per-document quality work; inspect_dir: where its
-  tasks' records are, or go (default: a temporary folder). as_text: globs of files to read as
-  text that prepare would otherwise skip (`documents.text_glob`). max_pair_len: the most row
-  positions a preference pair may fill (pairs.py: longer prompts are cut from the left).
-  strict: a source the funnel warns about (quality/funnel.py `warnings`) is an error, raised
-  before tokenizing; otherwise each warning is logged and kept in the manifest.
-  """
-  report = Report(verbose, as_text)
+  tokenizer_file: a SentencePiece model to use (None: train one of `vocab_size`). quality: a
+  `quality.QualityConfig` to filter and deduplicate with (None: keep every usable document, as
+  `quality.OFF` does). rejected: a JSON Lines path listing every rejected document (those
+  rejected while reading, under step `input`, too). engine: "local" (a process pool) or
+  "datatrove" (its LocalPipelineExecutor, `tasks` tasks on `workers` processes;
+  `quality.engine`) for the per-document quality work; inspect_dir: where its tasks' records
+  are, or go (default: a temporary folder). as_text: globs of files to read as text that
+  prepare would otherwise skip (`documents.text_glob`). max_pair_len: the most row positions a
+  preference pair may fill (pairs.py: longer prompts are cut from the left). strict: a source
+  the funnel warns about (quality/funnel.py `warnings`) is an error, raised before tokenizing;
+  otherwise each warning is logged and kept in the manifest."""
+  vocab_size: int = 8192
+  tokenizer_file: str | None = None
+  val_fraction: float = 0.01
+  workers: int | None = None  # None: as many as fit (workers.count)
+  progress: bool = True
+  overwrite: bool = False
+  verbose: bool = False
+  quality: quality_lib.QualityConfig | None = None
+  rejected: str | None = None
+  engine: str = "local"
+  tasks: int | None = None
+  inspect_dir: str | None = None
+  as_text: tuple = ()
+  max_pair_len: int = pairs.MAX_PAIR_LEN
+  strict: bool = False
+
+
+def prepare(inputs, out_dir, options=Options(), log=print):
+  """Runs the whole preparation as `options` (an Options) say and returns the manifest dict.
+
+  Inputs, the tokenizer file and `out_dir` are checked first; the data dir appears (or replaces
+  an old one, with `overwrite`) only once complete."""
+  report = Report(options.verbose, options.as_text)
   walk.check_inputs(inputs)
-  model_proto = _read_tokenizer(tokenizer_file) if tokenizer_file else None
-  staging = datadir.Staging(out_dir, overwrite, log)
-  workers = workers_lib.count(workers, log)
+  model_proto = _read_tokenizer(options.tokenizer_file) if options.tokenizer_file else None
+  staging = datadir.Staging(out_dir, options.overwrite, log)
+  workers = workers_lib.count(options.workers, log)
   spill, listed = None, funnel_lib.Rejected(None)
   try:
-    listed = funnel_lib.Rejected(rejected)
+    listed = funnel_lib.Rejected(options.rejected)
     report.listener = listed.write_input
-    if quality is not None:
+    if options.quality is not None:
       spill_dir = os.path.dirname(str(staging.dir)) if staging.local else None
-      spill, report.funnel = _select(inputs, report, quality, workers, progress, listed,
-                                     spill_dir, engine, tasks, inspect_dir)
-      report.quality = dataclasses.asdict(quality)
-      _warn(report.funnel, strict, log, quality)
+      spill, report.funnel = _select(inputs, report, options.quality, workers,
+                                     options.progress, listed, spill_dir, options.engine,
+                                     options.tasks, options.inspect_dir)
+      report.quality = dataclasses.asdict(options.quality)
+      _warn(report.funnel, options.strict, log, options.quality)
     report.rejected_list = listed
-    manifest = _prepare(inputs, staging, report, vocab_size, model_proto, val_fraction,
-                        workers, progress, spill, max_pair_len)
+    manifest = _prepare(inputs, staging, report, options.vocab_size, model_proto,
+                        options.val_fraction, workers, options.progress, spill,
+                        options.max_pair_len)
   except BaseException:
     staging.abort()
     listed.discard()
