@@ -4,6 +4,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -131,15 +132,18 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_verify_restart_with_three_kills_and_a_corrupt_checkpoint(tmp_path, demo_data):
+def test_verify_restart_with_three_kills_and_a_corrupt_checkpoint(tmp_path, demo_data,
+                                                                 monkeypatch):
   assert "device_count=8" in os.environ["XLA_FLAGS"]  # the subprocesses inherit 8 devices
   shorter = [f"data.dir={demo_data}", "model.size=tiny", "stages.0.steps=5", "stages.0.batch=8",
              "stages.1.steps=4", "stages.2.steps=3", "stages.2.batch=8",
              "train.checkpoint_every=3", "train.eval_every=0"]
   lines = []
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its temporary work dir goes
   assert verify.verify(str(ROOT / "configs" / "demo.yaml"), shorter, kills=3,
-                       workdir=str(tmp_path / "verify"), log=lines.append, corrupt=True)
+                       log=lines.append, corrupt=True)
   assert any("corrupted and caught" in line for line in lines), lines
+  assert lines[-1].endswith("removed") and not list(tmp_path.glob("maxlm-verify-*")), lines
 
 
 @pytest.mark.slow

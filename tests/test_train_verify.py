@@ -89,3 +89,17 @@ def test_corrupt_without_a_checkpoint_fails_loudly(tmp_path, finished):
     verify.corrupt_latest(str(tmp_path))
   with pytest.raises(MaxlmError, match="--corrupt needs --kills >= 1"):
     verify.verify(str(finished[0]), kills=0, corrupt=True, workdir=str(tmp_path))
+
+
+@pytest.mark.parametrize("holds, what", [("config.yaml", "a run dir"),
+                                         ("manifest.json", "a data dir"),
+                                         ("notes.txt", "not empty")])
+def test_a_workdir_that_holds_anything_is_refused_before_any_run(tmp_path, holds, what):
+  """Its runs would resume what is there (a run dir's checkpoints) or write into it."""
+  (tmp_path / "cfg.yaml").write_text("stages: [{seq_len: 32, batch: 2, steps: 1}]\n")
+  work = tmp_path / "work"
+  work.mkdir()
+  (work / holds).write_text("{}")
+  with pytest.raises(MaxlmError, match=f"--workdir {work} is {what}: verify-restart writes"):
+    verify.verify(str(tmp_path / "cfg.yaml"), kills=1, workdir=str(work))
+  assert sorted(p.name for p in work.iterdir()) == [holds]

@@ -1,6 +1,8 @@
 """What each step leaves behind: its metrics.jsonl row (the step's metrics, throughput, MFU,
 the batch fingerprint, tokens per source, a loss spike when one is flagged) and the console's
-progress line."""
+progress line. Tested through the runs that write the rows (tests/test_train_mfu.py: throughput
+and MFU; tests/test_train_spikes.py: the flagged spike; tests/test_train_console.py: the
+progress line)."""
 
 import jax
 
@@ -40,7 +42,9 @@ class StepLog:
     return row
 
   def done(self, s, k, row):
-    """Step (s, k) is written: count it and show the progress line."""
+    """Step (s, k) is written: count it and show the progress line. Tested through the runs that write the rows (tests/test_train_mfu.py: throughput
+and MFU; tests/test_train_spikes.py: the flagged spike; tests/test_train_console.py: the
+progress line)."""
     g, steps = self.sched.offset(s) + k, self.config.stages[s].num_steps
     self.ran, self.last_row = self.ran + 1, row
     self.eta.step(g)

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.train import integrity, metrics
+from maxlm.train import integrity, metrics, schedule
 
 MOMENTS = ("mid-stage", "stage-boundary", "during-save")
 
@@ -233,27 +234,74 @@ def _compare_states(a, b):
 
 def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, corrupt=False,
            processes=1):
+  """Runs the proof (the module docstring); True when every run is identical. Without
+  `workdir` the proof runs in a temporary folder, removed when it passes and kept (and named)
+  when it does not."""
   config = config_lib.load(config_path, overrides)
-  rng = random.Random(seed)
-  steps = [st.num_steps for st in config.stages]
-  boundaries = set(np.cumsum(steps) - 1)
-  work = workdir or tempfile.mkdtemp(prefix="maxlm-verify-")
+  _check_args(kills, corrupt, processes)
+  work = _work_dir(workdir)
   base, killed, inproc = (os.path.join(work, n) for n in ("uninterrupted", "killed", "inproc"))
   env = {**os.environ, "PYTHONUNBUFFERED": "1"}
   t0 = time.time()
-  if processes < 1:
-    raise MaxlmError(f"--processes must be >= 1, got {processes}")
-  if corrupt and kills < 1:
-    raise MaxlmError("--corrupt needs --kills >= 1: it corrupts the killed run's latest "
-                     "checkpoint before the last resume")
-  every = config.train.checkpoint_every
-  saves = sorted(g for g in range(sum(steps)) if (g + 1) % every == 0 or g in boundaries)
   each = f" as {processes} processes" if processes > 1 else ""
   log(f"[1/3] uninterrupted run{each} in {base}")
   code, _, err = _run(config_path, overrides, base, processes, env)
   if code:
     raise MaxlmError(f"the uninterrupted run failed: {err.strip()[-300:]}")
   log(f"[2/3] {kills} SIGKILLs in {killed}")
+  events, flipped, caught = _kill_and_resume(config_path, overrides, killed, work, processes,
+                                             env, schedule.Schedule(config), kills, corrupt,
+                                             random.Random(seed), log)
+  runs = [("killed x%d" % kills, killed)]
+  if processes == 1:
+    log(f"[3/3] in-process stop and resume in {inproc}")
+    _stop_and_resume_here(config_path, overrides, inproc)
+    runs.append(("in-process", inproc))
+  else:
+    log("[3/3] in-process stop and resume: skipped (one process by nature)")
+  ok = _verdict(base, runs, log) and caught
+  log("\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events)
+      + (f"; checkpoint {flipped} corrupted and {'caught' if caught else 'NOT caught'}"
+         if flipped is not None else ""))
+  if workdir is None and ok:
+    shutil.rmtree(work, ignore_errors=True)
+    log(f"wall time {time.time() - t0:.0f} s; temporary work dir {work} removed")
+  else:
+    log(f"wall time {time.time() - t0:.0f} s; work dir {work} kept")
+  return ok
+
+
+def _check_args(kills, corrupt, processes):
+  if processes < 1:
+    raise MaxlmError(f"--processes must be >= 1, got {processes}")
+  if corrupt and kills < 1:
+    raise MaxlmError("--corrupt needs --kills >= 1: it corrupts the killed run's latest "
+                     "checkpoint before the last resume")
+
+
+def _work_dir(workdir):
+  """The folder the proof's runs go in: a new temporary one, or `workdir` when it is empty or
+  absent (refused when it holds anything: the runs would resume what is there)."""
+  if workdir is None:
+    return tempfile.mkdtemp(prefix="maxlm-verify-")
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise MaxlmError(f"--workdir {workdir} is a file, not a folder")
+  held = sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []
+  if held:
+    what = ("a run dir" if "config.yaml" in held or "checkpoints" in held else
+            "a data dir" if "manifest.json" in held else "not empty")
+    raise MaxlmError(f"--workdir {workdir} is {what}: verify-restart writes three runs there "
+                     "and would resume or overwrite what it holds; give it a new or empty folder")
+  os.makedirs(workdir, exist_ok=True)
+  return workdir
+
+
+def _kill_and_resume(config_path, overrides, killed, work, processes, env, sched, kills,
+                     corrupt, rng, log):
+  """Kills the run in `killed` `kills` times (cycling through MOMENTS), corrupts its latest
+  checkpoint when asked, then resumes it to the end: (kill events, the corrupted checkpoint or
+  None, whether the resume reported it corrupt)."""
+  boundaries, saves = sched.stage_ends(), sched.save_steps()
   events, after = [], -1
   for i in range(kills):
     moment = MOMENTS[i % len(MOMENTS)]
@@ -276,18 +324,20 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, 
   caught = flipped is None or f"checkpoint {flipped} is corrupt (" in out
   if not caught:
     log(f"      the resume did not report checkpoint {flipped} as corrupt")
-  runs = [("killed x%d" % kills, killed)]
-  if processes == 1:
-    log(f"[3/3] in-process stop and resume in {inproc}")
-    from maxlm.train import loop
-    cfg = config_lib.load(config_path, [*overrides, f"run_dir={inproc}"])
-    quiet = lambda *_: None
-    loop.train(cfg, stop_after=max(1, sum(steps) // 2), log=quiet)
-    loop.train(cfg, log=quiet)
-    runs.append(("in-process", inproc))
-  else:
-    log("[3/3] in-process stop and resume: skipped (one process by nature)")
+  return events, flipped, caught
 
+
+def _stop_and_resume_here(config_path, overrides, run_dir):
+  """Stops a run half way and resumes it in this process, reusing its compiled functions."""
+  from maxlm.train import loop
+  cfg = config_lib.load(config_path, [*overrides, f"run_dir={run_dir}"])
+  quiet = lambda *_: None
+  loop.train(cfg, stop_after=max(1, schedule.Schedule(cfg).total // 2), log=quiet)
+  loop.train(cfg, log=quiet)
+
+
+def _verdict(base, runs, log):
+  """Every run against the uninterrupted one, step by step and tensor by tensor; the table."""
   reference = _rows(base)
   ref_step, ref_state = _final_state(base)
   table, ok = [], True
@@ -300,13 +350,8 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, 
     ok &= same
     table.append((name, n_rows, len(bad_rows) + len(missing), n_tensors, len(bad_tensors),
                   "identical" if same else "DIFFERENT"))
-  ok &= caught
   log(f"\n{'run':<12}{'steps logged':>14}{'step diffs':>12}{'tensors':>9}{'tensor diffs':>14}"
       f"  verdict")
   for row in table:
     log(f"{row[0]:<12}{row[1]:>14}{row[2]:>12}{row[3]:>9}{row[4]:>14}  {row[5]}")
-  log("\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events)
-      + (f"; checkpoint {flipped} corrupted and {'caught' if caught else 'NOT caught'}"
-         if flipped is not None else ""))
-  log(f"wall time {time.time() - t0:.0f} s; work dir {work}")
   return ok
