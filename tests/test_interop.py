@@ -198,7 +198,7 @@ def test_training_from_init_records_it_and_a_checkpoint_wins(trained, tmp_path):
   assert first["stopped"] and any(f"parameters from init.from {out} (hf)" in l for l in lines)
   meta = json.loads((tmp_path / "sft" / "checkpoints" / "2" / "meta" / "metadata").read_text())
   assert meta["init_from"]["from"] == str(out) and meta["init_from"]["kind"] == "hf"
-  from maxlm.train import integrity
+  from maxlm.ckpt import integrity
   integrity.check_meta(2, meta)  # the record is under the metadata's own checksum
   lines.clear()
   loop.train(sft, log=lines.append)

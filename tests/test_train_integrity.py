@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.ckpt import checkpoint, integrity
 from maxlm.data import plan
-from maxlm.train import checkpoint, integrity, loop, metrics, verify
+from maxlm.train import loop, metrics, verify
 
 import datagen
 from smallrun import ROOT, small_config

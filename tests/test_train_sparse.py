@@ -38,7 +38,8 @@ def three_stages(tmp_path, data_dir, extra=()):
 
 
 def test_dense_warmup_sparse_trains_and_resumes_exactly(tmp_path, data_dir):
-  from maxlm.train import checkpoint, loop
+  from maxlm.ckpt import checkpoint
+  from maxlm.train import loop
   cfg = three_stages(tmp_path, data_dir)
   assert loop.train(cfg, log=lambda *_: None)["step"] == 12
   rows = metrics.read_jsonl(cfg.run_dir)

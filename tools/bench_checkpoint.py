@@ -7,7 +7,7 @@ The demo model gets the demo's 8192-piece vocabulary, 150m a 32000-piece one (--
 both).
 
 "plain" is what maxlm did before checksums: an Orbax CheckpointManager saving the train
-state and a JSON metadata item, and restoring the state. "checked" is `maxlm.train.checkpoint`:
+state and a JSON metadata item, and restoring the state. "checked" is `maxlm.ckpt.checkpoint`:
 the same items plus the arrays' CRC-32 digests computed at save, and every restored array
 re-digested and compared. Both save asynchronously; a save is timed until it is committed
 (`wait_until_finished`), a restore until the state is on the device and (for "checked")
@@ -30,7 +30,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxlm import config as config_lib
-from maxlm.train import checkpoint, integrity, stage as stage_lib, step as step_lib
+from maxlm.ckpt import checkpoint, integrity
+from maxlm.train import stage as stage_lib, step as step_lib
 
 
 def make_state(size, vocab):

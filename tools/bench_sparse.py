@@ -132,7 +132,8 @@ def recall_demo(workdir):
   from maxlm.data import assemble, corpus, loader, prepare
   from maxlm.eval import windows
   from maxlm.model import build
-  from maxlm.train import checkpoint, loop, resume, stage as stage_lib
+  from maxlm.ckpt import checkpoint
+  from maxlm.train import loop, resume, stage as stage_lib
   raw = corpus.build(f"{workdir}/raw", bytes_per_source=600_000)
   prepare.prepare(raw, f"{workdir}/data", prepare.Options(vocab_size=1024, progress=False))
   ladder = ["model.size=tiny", f"data.dir={workdir}/data", f"run_dir={workdir}/run",

@@ -6,7 +6,7 @@ it (`state/`, OCDBT or plain zarr, merged across the processes that wrote it) an
 so a host holds one parameter (with all its layers: Orbax writes an array as chunks that span
 the stacked layer axis, so a layer cannot be decoded without the others; reading layer by layer
 measured 12x slower for the 150m model) and the Llama tensors made from it. Every array is
-checked against the digest the checkpoint recorded for it (`maxlm.train.integrity`) before it
+checked against the digest the checkpoint recorded for it (`maxlm.ckpt.integrity`) before it
 is used. (A multi-process checkpoint records per-shard digests of process 0's shards only;
 those arrays are read unverified, and `unverified` names them.)
 """
@@ -19,8 +19,8 @@ import numpy as np
 import tensorstore as ts
 
 from maxlm import MaxlmError, config as config_lib, io
+from maxlm.ckpt import checkpoint, integrity
 from maxlm.interop import layout
-from maxlm.train import checkpoint, integrity
 
 
 def split_spec(spec):

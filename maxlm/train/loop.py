@@ -15,11 +15,11 @@ import jax
 import yaml
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.ckpt import checkpoint, integrity
 from maxlm.interop import load as init_lib
 from maxlm.parallel import mesh as mesh_lib, preemption, watchdog
-from maxlm.train import (checkpoint, console, dpo, grpo, integrity, lease, metrics, pause,
-                         planned, resume, rundir, schedule, sparse_stage, stage as stage_lib,
-                         step as step_lib, step_log)
+from maxlm.train import (console, dpo, grpo, lease, metrics, pause, planned, resume, rundir,
+                         schedule, sparse_stage, stage as stage_lib, step as step_lib, step_log)
 
 
 def train(config, *, stop_after=None, force=False, log=print, lookahead=True):

@@ -1,7 +1,8 @@
 """Opening a finished (or running) run_dir: its config, data, model and latest parameters."""
 
 from maxlm import MaxlmError, config as config_lib, io
-from maxlm.train import checkpoint, resume, stage as stage_lib
+from maxlm.ckpt import checkpoint
+from maxlm.train import resume, stage as stage_lib
 
 
 def open_run(run_dir, overrides=()):

@@ -24,9 +24,10 @@ import json
 import jax
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.ckpt import checkpoint, integrity
 from maxlm.data import loader, plan, skip
 from maxlm.model import build
-from maxlm.train import checkpoint, integrity, moe_state, step as step_lib
+from maxlm.train import moe_state, step as step_lib
 
 
 def data_fingerprint(data):

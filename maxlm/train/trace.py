@@ -25,10 +25,10 @@ import jax
 import numpy as np
 
 from maxlm import MaxlmError, config as config_lib, io
+from maxlm.ckpt import checkpoint, integrity
 from maxlm.data import loader, plan
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import (checkpoint, integrity, metrics, resume, schedule, spikes,
-                         stage as stage_lib, step as step_lib)
+from maxlm.train import metrics, resume, schedule, spikes, stage as stage_lib, step as step_lib
 
 
 def open_config(run_dir):

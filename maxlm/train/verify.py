@@ -37,7 +37,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.train import integrity, metrics, schedule
+from maxlm.ckpt import integrity
+from maxlm.train import metrics, schedule
 
 MOMENTS = ("mid-stage", "stage-boundary", "during-save")
 

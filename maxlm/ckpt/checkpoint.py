@@ -5,7 +5,7 @@ A checkpoint at global step n holds
   data   the Grain iterator state of the stage being read
   meta   stage, the next step within it, the planner snapshot for that step's block, the
          ledger consumed so far, the data dir's fingerprint, the resolved config, and the
-         checksums of all of it (`maxlm.train.integrity`)
+         checksums of all of it (`maxlm.ckpt.integrity`)
 Orbax writes into a temporary folder and renames it when complete, so a process killed during
 a save leaves the previous checkpoint as the latest; its partial folder is removed on the next
 start. A checkpoint whose metadata or arrays do not match their checksums is reported as
@@ -30,7 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from maxlm import MaxlmError, io
-from maxlm.train import integrity
+from maxlm.ckpt import integrity
 
 
 class Checkpoints:
