@@ -271,3 +271,14 @@ def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, messag
   assert message in str(e.value) and "\n" not in str(e.value)
   config.load("configs/demo.yaml", [o for o in overrides  # without the culprit: fine
                                     if not any(k in o for k in ("objective", "sparse", "every", "mesh"))])
+
+
+def test_a_retired_key_still_loads_with_a_warning_and_is_dropped(tmp_path):
+  """Configs (and checkpoints' saved configs) written before train.eval_rows retired."""
+  path = tmp_path / "old.yaml"
+  path.write_text("stages: [{seq_len: 32, batch: 2, steps: 1}]\ntrain: {eval_rows: 4}\n")
+  with pytest.warns(FutureWarning, match="train.eval_rows is retired and ignored"):
+    cfg = config.load(str(path))
+  assert "eval_rows" not in config.to_dict(cfg)["train"]
+  raw = {"stages": [{"seq_len": 32, "batch": 2, "steps": 1}], "train": {"eval_rows": 4}}
+  assert config.to_dict(config.from_dict(raw)) == config.to_dict(cfg)
