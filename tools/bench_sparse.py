@@ -147,7 +147,7 @@ def recall_demo(workdir):
   data = loader.Data(cfg)
   vocab = cfg.model.vocab_size or int(data.manifest["vocab_size"])
   ckpts = checkpoint.Checkpoints(cfg.run_dir, 3, False, lambda *_: None, read_only=True)
-  state = resume.resume(ckpts, cfg, data, vocab, stage_lib.parts, lambda *_: None,
+  state = resume.resume(ckpts, cfg, data, vocab, lambda *_: None,
                         reader=True)[0]
   parts = stage_lib.parts(cfg, 1, vocab)
   seq_len = cfg.stages[1].seq_len

@@ -124,7 +124,7 @@ class _Start(typing.NamedTuple):
 def _begin(config, data, vocab, run_dir, ckpts, log):
   """The newest good checkpoint, else a fresh start (init.from checked before compiling)."""
   with log.phase(f"looking for checkpoints in {config.run_dir}"):
-    found = resume.resume(ckpts, config, data, vocab, stage_lib.parts, log)
+    found = resume.resume(ckpts, config, data, vocab, log)
   with metrics.write_errors(run_dir.local), open(  # only once the run_dir accepted this config
       os.path.join(run_dir.local, "config.yaml"), "w") as f:
     yaml.safe_dump(config_lib.to_dict(config), f, sort_keys=False)

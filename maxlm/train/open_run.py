@@ -37,8 +37,7 @@ def _latest(run_dir, config, data, vocab):
   try:
     before = ckpts.steps()
     try:
-      found = resume.resume(ckpts, config, data, vocab, stage_lib.parts, log=print,
-                            reader=True)
+      found = resume.resume(ckpts, config, data, vocab, log=print, reader=True)
     except MaxlmError as e:
       if sorted(ckpts.manager.all_steps(read=True)) != before:
         raise _Rotated(str(e)) from None

@@ -27,7 +27,7 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.ckpt import checkpoint, integrity
 from maxlm.data import loader, plan, skip
 from maxlm.model import build
-from maxlm.train import moe_state, step as step_lib
+from maxlm.train import moe_state, stage as stage_lib, step as step_lib
 
 
 def data_fingerprint(data):
@@ -81,7 +81,7 @@ def check_same_data(config, data, meta, step_no, log, reader=False):
   return saved
 
 
-def resume(ckpts, config, data, vocab, stage_parts, log, reader=False):
+def resume(ckpts, config, data, vocab, log, reader=False):
   """(state, meta, step, old data fingerprint or None) from the newest checkpoint that
   verifies, or None when run_dir has no checkpoints. reader: for eval and generate, which
   never start over and accept changed data with a note."""
@@ -94,7 +94,7 @@ def resume(ckpts, config, data, vocab, stage_parts, log, reader=False):
       skip.check_resume(config, meta["config"]["data"].get("skip_steps", ()), step_no)
       plan.check_resume(meta.get("planner"), step_no)
     try:
-      state = restore_state(ckpts, step_no, meta, config, vocab, stage_parts)
+      state = restore_state(ckpts, step_no, meta, config, vocab)
       if meta.get("planner") and meta["planner"].get("version") == plan.VERSION:
         data.planner.seed_snapshot(plan.Snapshot(**meta["planner"]))
       return state, meta, step_no, changed
@@ -121,10 +121,10 @@ def resume(ckpts, config, data, vocab, stage_parts, log, reader=False):
   return None
 
 
-def restore_state(ckpts, step_no, meta, config, vocab, stage_parts):
+def restore_state(ckpts, step_no, meta, config, vocab):
   """The verified train state of checkpoint step_no, in its stage's shardings."""
   s = meta["stage"]
-  parts = stage_parts(config, s, vocab)
+  parts = stage_lib.parts(config, s, vocab)
   abstract = checkpoint.abstract(jax.eval_shape(
       lambda: step_lib.init_state_abstract(parts.model, parts.opt, config.seed,
                                            config.stages[s].seq_len)), parts.shardings)

@@ -77,7 +77,7 @@ def _state_before(run_dir, config, data, vocab, g, log):
       resume.check_same_model(config, vocab, meta)
       plan.check_resume(meta.get("planner"), step_no)  # another plan: other batches
       try:
-        state = resume.restore_state(ckpts, step_no, meta, config, vocab, stage_lib.parts)
+        state = resume.restore_state(ckpts, step_no, meta, config, vocab)
         if meta.get("planner"):
           data.planner.seed_snapshot(plan.Snapshot(**meta["planner"]))
         return state, step_no
