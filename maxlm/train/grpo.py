@@ -35,7 +35,7 @@ from maxlm import MaxlmError, io
 from maxlm.data import tokenizer
 from maxlm.eval import sample as sample_lib
 from maxlm.parallel import distributed, mesh as mesh_lib
-from maxlm.train import dpo, rewards as rewards_lib, rollouts, update
+from maxlm.train import dpo, rewards as rewards_lib, rollouts, schedule, update
 
 
 
@@ -128,7 +128,7 @@ class Stage:
 
   def step(self, state, k, consumed, read_now=True):
     cfg, t0, s = self.cfg, time.perf_counter(), self.s
-    g = sum(st.num_steps for st in self.config.stages[:s]) + k
+    g = schedule.Schedule(self.config).offset(s) + k
     idx = rollouts.step_prompts(len(self.prompts), cfg.prompts, self.config.seed, s, k)
     prompts = [self.prompts[i] for i in idx]
     completions, texts = self.sample(state["params"], [self.ids[i] for i in idx],
