@@ -142,21 +142,18 @@ def compiled(config, s, n_devices, vocab):
   temporaries, total} bytes a device, total = arguments + outputs not aliased to the donated
   state + temporaries."""
   import jax
-  from maxlm.model import build
-  from maxlm.train import optimizer, stage as stage_lib, step as step_lib
+  from maxlm.train import stage as stage_lib, step as step_lib
   if n_devices > len(jax.devices()):
     raise MaxlmError(f"--devices {n_devices}: this machine has {len(jax.devices())} "
                      "(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes more)")
   stage = config.stages[s]
-  mesh = mesh_lib.make_mesh(stage.mesh, jax.devices()[:n_devices])
-  model = build.model_for(config, s, mesh, vocab)
-  opt, schedule = optimizer.make(config.train, sum(st.num_steps for st in config.stages))
-  shardings = stage_lib.state_shardings(model, opt, mesh, config.rules, stage.seq_len)
+  mesh, model, opt, step, shardings = stage_lib.unjitted(config, s, vocab,
+                                                         jax.devices()[:n_devices])
   state = jax.tree_util.tree_map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
                                                           stage.seq_len)), shardings)
-  step = jax.jit(stage_lib.train_step(config, s, model, opt, schedule), donate_argnums=0)
+  step = jax.jit(step, donate_argnums=0)
   with mesh:
     stats = step.lower(state, *_step_inputs(config, s, mesh, state)).compile().memory_analysis()
   out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,

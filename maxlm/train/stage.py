@@ -15,7 +15,7 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.data import loader
 from maxlm.model import attention as attention_lib, build
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import dpo, grpo, moe_state, optimizer, step as step_lib
+from maxlm.train import dpo, grpo, moe_state, optimizer, schedule, step as step_lib
 
 _COMPILED = {}  # (config, stage, vocab) -> StageParts
 
@@ -106,15 +106,23 @@ def parts(config, s, vocab):
   """The stage's mesh, model, optimizer, compiled functions and state shardings (cached)."""
   key = (repr(config), s, vocab)
   if key not in _COMPILED:
-    stage = config.stages[s]
-    mesh = mesh_lib.make_mesh(stage.mesh)
-    model = build.model_for(config, s, mesh, vocab)
-    opt, schedule = optimizer.make(config.train, sum(st.num_steps for st in config.stages))
-    step = jax.jit(train_step(config, s, model, opt, schedule), donate_argnums=0)
+    mesh, model, opt, step, shardings = unjitted(config, s, vocab)
     nll = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
-    shardings = state_shardings(model, opt, mesh, config.rules, stage.seq_len)
-    _COMPILED[key] = StageParts(mesh, model, opt, step, nll, shardings)
+    _COMPILED[key] = StageParts(mesh, model, opt, jax.jit(step, donate_argnums=0), nll,
+                                shardings)
   return _COMPILED[key]
+
+
+def unjitted(config, s, vocab, devices=None):
+  """(mesh, model, optimizer, the objective's train step before jit, state shardings) of
+  stage s over `devices` (default: every device of the job): what `parts` compiles, and what
+  the memory estimate compiles on other device counts."""
+  stage = config.stages[s]
+  mesh = mesh_lib.make_mesh(stage.mesh, *([devices] if devices is not None else []))
+  model = build.model_for(config, s, mesh, vocab)
+  opt, lr = optimizer.make(config.train, schedule.Schedule(config).total)
+  step = train_step(config, s, model, opt, lr)
+  return mesh, model, opt, step, state_shardings(model, opt, mesh, config.rules, stage.seq_len)
 
 
 def train_step(config, s, model, opt, schedule):
