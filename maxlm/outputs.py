@@ -10,12 +10,12 @@ Folders are recognised by their markers, never by their names:
 
 `check_output` (an output folder) resolves the path through symlinks and `..` first, so
 `RUN/../RUN/checkpoints` or a link to a data dir is what it points at. It refuses (one line) an
-output that is an input of the same command, holds one, or lies inside a run dir or data dir;
-and an existing non-empty folder unless `overwrite` is given and the folder is of the kind the
-command writes, so `--overwrite` replaces a previous output of the same command and nothing
-else. `check_file_output` does the same for one file (a picture, an .npz of batches), which
-may sit at a run dir's top level (`maxlm plot` draws RUN_DIR/curves.png) but never in its
-checkpoints or in a data dir.
+output that is an input of the same command, holds one, or lies inside a run dir, a data dir
+or an export (which holds only its own files); and an existing non-empty folder unless
+`overwrite` is given and the folder is of the kind the command writes, so `--overwrite`
+replaces a previous output of the same command and nothing else. `check_file_output` does the
+same for one file (a picture, an .npz of batches), which may sit at a run dir's top level
+(`maxlm plot` draws RUN_DIR/curves.png) but never in its checkpoints, a data dir or an export.
 """
 
 import contextlib
@@ -32,6 +32,7 @@ _EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d{5}-o
                            r"safetensors|model\.safetensors\.index\.json|tokenizer\.model|"
                            r"tokenizer_config\.json|special_tokens_map\.json|"
                            + re.escape(EXPORT_DIGESTS))
+_DATA_MARKERS = ("manifest.json", "index.json", "tokens-00000.bin")
 
 
 def kind_of(folder):
@@ -41,11 +42,48 @@ def kind_of(folder):
   has = lambda name: os.path.exists(os.path.join(folder, name))  # noqa: E731
   if has("config.yaml") and (has("checkpoints") or has("metrics.jsonl") or has("lease.json")):
     return RUN_DIR
-  if has("manifest.json") or has("index.json") or has("tokens-00000.bin"):
+  if _data_markers(folder):
     return DATA_DIR
   if (has(EXPORT_DIGESTS) or _old_export(folder)) and all(
       _EXPORT_FILES.fullmatch(n) for n in os.listdir(folder)):
     return EXPORT
+  return None
+
+
+def _data_markers(folder):
+  return any(os.path.exists(os.path.join(folder, n)) for n in _DATA_MARKERS)
+
+
+def data_dir_holding(path):
+  """The folder, `path` or one above it, that is a data dir by what `maxlm prepare` writes (a
+  token shard, or a manifest.json listing sources), even beside a run's files, as a run trained
+  into a data dir leaves them; else None. Stricter than the markers above: a project's own
+  manifest.json or index.json above a run_dir must not stop training."""
+  here = os.path.realpath(path)
+  while not _prepared_here(here):
+    if os.path.dirname(here) == here:
+      return None
+    here = os.path.dirname(here)
+  return here
+
+
+def _prepared_here(folder):
+  if os.path.exists(os.path.join(folder, "tokens-00000.bin")):
+    return True
+  try:
+    with open(os.path.join(folder, "manifest.json")) as f:
+      return "sources" in json.load(f)
+  except (OSError, ValueError, TypeError):
+    return False
+
+
+def export_above(path):
+  """The export that holds `path` (strictly above it), else None."""
+  here = os.path.realpath(path)
+  while os.path.dirname(here) != here:
+    here = os.path.dirname(here)
+    if kind_of(here) == EXPORT:
+      return here
   return None
 
 
@@ -90,6 +128,7 @@ def check_output(flag, out, kind, inputs=(), overwrite=False):
     where = "is" if found[0] == real else "lies inside"
     raise MaxlmError(f"{flag} {out} {where} the {found[1]} {found[0]}: refusing to write "
                      "there; choose a folder outside any run dir or data dir")
+  _refuse_inside_export(flag, out, real)
   if os.path.lexists(real) and not os.path.isdir(real):
     raise MaxlmError(f"{flag} {out} is a file, not a folder: choose another path")
   if os.path.isdir(real) and os.listdir(real):
@@ -103,6 +142,13 @@ def check_output(flag, out, kind, inputs=(), overwrite=False):
       raise MaxlmError(f"{flag} {out} is not a previous {kind} of maxlm (it holds {odd[0]!r}): "
                        "--overwrite replaces only that; choose a new or empty folder")
   return real
+
+
+def _refuse_inside_export(flag, given, real):
+  above = export_above(real)
+  if above:
+    raise MaxlmError(f"{flag} {given} lies inside the export {above}: refusing to write there "
+                     "(an export holds only its own files); choose a place outside it")
 
 
 def check_file_output(flag, path, inputs=()):
@@ -120,6 +166,7 @@ def check_file_output(flag, path, inputs=()):
     part = "the data dir" if found[1] == DATA_DIR else "the checkpoints of the run dir"
     raise MaxlmError(f"{flag} {path} lies inside {part} {found[0]}: refusing to write there; "
                      "choose another place")
+  _refuse_inside_export(flag, path, real)
   return real
 
 

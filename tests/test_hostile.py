@@ -260,3 +260,43 @@ def test_unknown_rules_keys_are_refused_with_a_hint():
                      r"'rules.mlp'"):
     config_lib.load("demo", ["rules.mpl=[tensor]"])
   assert config_lib.load("demo", ["rules.mlp=[tensor]"]).rules["mlp"] == ("tensor",)
+
+
+def _listing(folder):
+  return sorted((str(p.relative_to(folder)), p.stat().st_size) for p in folder.rglob("*"))
+
+
+def test_a_run_dir_is_never_a_data_dir_or_inside_one(run, demo_data, tmp_path, here):
+  """Refused before anything is written, the data dir's files as they were; a data dir inside
+  the run dir (the demo's layout) is no reason to refuse."""
+  import shutil
+  data = tmp_path / "data"
+  shutil.copytree(demo_data, data)
+  before = _listing(data)
+  cfg = run / "cfg.yaml"
+  one_line_error(maxlm("train", cfg, f"data.dir={data}", f"run_dir={data}"),
+                 f"run_dir {data} is the data dir {data}")
+  one_line_error(here("train", cfg, f"data.dir={data}", f"run_dir={data}/runs/a"),
+                 "lies inside the data dir", "run_dir=A_FOLDER_OUTSIDE_IT")
+  assert _listing(data) == before
+  holder = tmp_path / "holder"
+  shutil.copytree(demo_data, holder / "data")
+  ok = here("train", cfg, f"data.dir={holder / 'data'}", f"run_dir={holder}", "stages.0.steps=1")
+  assert ok.returncode == 0 and (holder / "metrics.jsonl").exists(), ok.stderr
+
+
+def test_outputs_never_land_inside_an_export(run, tmp_path, here):
+  """A nested export, or any file output, would make the export hold a file it does not list;
+  a run dir or data dir as --out was refused already."""
+  from maxlm.interop import export
+  exported = tmp_path / "hf"
+  export.export(str(run / "run"), str(exported), log=lambda *_: None)
+  before = _listing(exported)
+  one_line_error(maxlm("export", run / "run", "--out", exported / "nested"),
+                 "lies inside the export", str(exported))
+  one_line_error(here("plot", run / "run", "--out", exported / "curves.png"),
+                 "lies inside the export")
+  one_line_error(here("export", run / "run", "--out", run / "run"), "is the run dir")
+  one_line_error(here("export", run / "run", "--out", tmp_path / "hf" / ".." / "hf" / "x" / "y"),
+                 "lies inside the export")
+  assert _listing(exported) == before

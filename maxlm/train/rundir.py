@@ -7,6 +7,11 @@ which for a local run_dir is the run_dir itself; for an object store it is a mir
 checkpoint and at exit, because objects cannot be appended to. Only process 0 keeps them
 (and checks that the run_dir is writable); other processes write into a throwaway folder,
 removed at exit.
+
+A local run_dir is never a data dir nor inside one (recognised by its markers, manifest.json
+and the token files: maxlm/outputs.py), refused before anything is written: a run's files
+would mix with the data's. A data dir inside the run_dir is fine (the demo keeps runs/demo/data
+beside its run's files).
 """
 
 import atexit
@@ -18,7 +23,7 @@ import tempfile
 
 import jax
 
-from maxlm import MaxlmError, io
+from maxlm import MaxlmError, io, outputs
 
 SMALL_FILES = ("config.yaml", "metrics.jsonl")
 
@@ -38,6 +43,8 @@ class RunDir:
       self.local = os.path.join(cache, "runs", re.sub(r"[^\w.-]+", "_", self.path) + "-" + tag)
     else:
       self.local = self.path
+    if not self.remote:
+      _refuse_data_dir(self.path)
 
   def check_writable(self):
     """Fails early, with what to do, when the run_dir cannot be written."""
@@ -87,3 +94,12 @@ class RunDir:
       if log is None:
         raise
       log(f"could not copy metrics to {self.path}: {e}")
+
+
+def _refuse_data_dir(path):
+  """One line when the local `path` is a data dir or lies inside one."""
+  found = outputs.data_dir_holding(path)
+  if found:
+    where = "is" if found == os.path.realpath(path) else "lies inside"
+    raise MaxlmError(f"run_dir {path} {where} the data dir {found}: a run never writes into "
+                     "its data; pass run_dir=A_FOLDER_OUTSIDE_IT")
