@@ -300,3 +300,34 @@ def test_outputs_never_land_inside_an_export(run, tmp_path, here):
   one_line_error(here("export", run / "run", "--out", tmp_path / "hf" / ".." / "hf" / "x" / "y"),
                  "lies inside the export")
   assert _listing(exported) == before
+
+
+def test_a_blank_source_name_is_refused(corpus, tmp_path, here):
+  """A folder '   ', a file '   .txt' or '   .jsonl' (whose records take its stem) would name a
+  source '   ': one line, no --out; a record's own blank "source" is counted as bad_source."""
+  text = "The quick brown fox jumps over the lazy dog; 0123456789 times. " * 4
+  (tmp_path / "   ").mkdir()
+  (tmp_path / "   " / "a.txt").write_text(text)
+  (tmp_path / "   .txt").write_text(text)
+  (tmp_path / "deep").mkdir()
+  (tmp_path / "deep" / "   .jsonl").write_text(json.dumps({"text": text}) + "\n")
+  flags = ["--tokenizer", corpus / "t.model", "--quality", corpus / "q.yaml"]
+  out = tmp_path / "out"
+  one_line_error(maxlm("prepare", tmp_path / "   ", "--out", out, *flags),
+                 "source name '   ' is blank")
+  one_line_error(here("prepare", tmp_path / "   .txt", "--out", out, *flags), "'   ' is blank")
+  deep = here("prepare", tmp_path / "deep", "--out", out, *flags)  # found by the walk: after
+  assert deep.returncode == 2 and "Traceback" not in deep.stderr  # the filter pass's progress
+  assert deep.stderr.strip().splitlines()[-1].endswith(
+      "deep/   .jsonl: its source name '   ' is blank; rename it (a source is named by its "
+      "file's stem, its input folder's name or a record's \"source\")"), deep.stderr
+  one_line_error(here("prepare", corpus / "in.jsonl", "--out", out, "--as-text", "  ", *flags),
+                 "--as-text '  ' is blank")
+  assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+      "   ", "   .txt", "deep"]
+  (tmp_path / "r.jsonl").write_text("".join(json.dumps({"text": f"{text}{i}", "source": s})
+                                            + "\n" for i, s in enumerate([" \t", "web", "web"])))
+  ok = here("prepare", tmp_path / "r.jsonl", "--out", out, *flags)
+  assert ok.returncode == 0, ok.stderr
+  manifest = json.loads((out / "manifest.json").read_text())
+  assert list(manifest["sources"]) == ["web"] and manifest["rejected"]["bad_source"] == 1

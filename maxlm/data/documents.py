@@ -6,10 +6,12 @@ yields. Each document gets a `kind` and `kind_from` (quality/kinds.py: a record'
 path-like field with a code suffix, a programming `lang`, the file's suffix; else `web` for a
 JSON Lines text record, to be refined by the quality steps' content check). Each rejected
 document is counted in a `Report` by reason (non_utf8, empty, malformed_json, too_deep (JSON
-nested deeper than the parser goes), bad_source (a `source` that is not a string), bad_id (an
-`id` neither a string nor an integer), missing_text, bad_messages, bad_unicode) with a few
-examples (all with --verbose), and passed to its `listener` (prepare's --rejected list);
-the Report also holds walk.py's skipped counts and renamed ids.
+nested deeper than the parser goes), bad_source (a `source` that is not a string, or is
+whitespace only), bad_id (an `id` neither a string nor an integer), missing_text, bad_messages,
+bad_unicode) with a few examples (all with --verbose), and passed to its `listener` (prepare's
+--rejected list); the Report also holds walk.py's skipped counts and renamed ids. A file whose
+stem would name its records' source but is blank ('   .jsonl') is refused in one line
+(walk.source_name), as is a blank --as-text glob.
 
 Two choices on bad input:
 - Text, an id or a source holding a lone UTF-16 surrogate (JSON such as "\\ud800", which is
@@ -29,6 +31,7 @@ import os
 import numpy as np
 import xxhash
 
+from maxlm import MaxlmError
 from maxlm.data import pairs, sections, tokenizer, walk
 from maxlm.data.quality import kinds
 
@@ -45,7 +48,7 @@ class Report:
 
   def __init__(self, verbose=False, as_text=()):
     self.limit = None if verbose else _EXAMPLES
-    self.as_text = tuple(as_text)  # globs of other files to read as text (`text_glob`)
+    self.as_text = tuple(map(_glob, as_text))  # globs of other files to read as text
     self.funnel = self.quality = None  # set when the quality steps ran
     self.rejected = collections.Counter({r: 0 for r in REASONS})
     self.examples = collections.defaultdict(list)
@@ -87,6 +90,12 @@ class Report:
   def rename(self, what):
     self.renamed += 1
     self._note(self.renamed_examples, what)
+
+
+def _glob(given):
+  if not given.strip():
+    raise MaxlmError(f"--as-text {given!r} is blank; give a glob such as 'LICENSE*' or '*.1'")
+  return given
 
 
 def _kind(path, as_text=()):
@@ -136,7 +145,8 @@ def _jsonl_documents(path, shown, report):
     if line.strip():
       doc = _parse_line(line, f"{shown}:{number}", report)
       if doc is not None:
-        doc.setdefault("source", os.path.splitext(name)[0])
+        if "source" not in doc:
+          doc["source"] = walk.source_name(os.path.splitext(name)[0], shown)
         doc.setdefault("id", f"{name}:{number}")
         yield {**doc, "where": f"{shown}:{number}"}
 
@@ -205,13 +215,15 @@ def _nonblank(text, where, report):
 def _id_and_source(record, where, report):
   """{id, source} given by the record (a missing or empty one is left to the defaults), or
   None when one is unusable: a source must be a string (a number or a list would silently
-  become a source name), an id a string or an integer (records are often numbered)."""
+  become a source name) and not whitespace only ("   " would name a source no one can tell
+  apart or pass to --lang SOURCE=), an id a string or an integer (records are often numbered)."""
   doc = {}
   for key, reason, ok in (("source", "bad_source", (str,)), ("id", "bad_id", (str, int))):
     value = record.get(key)
     if value is None or value == "":
       continue
-    if not isinstance(value, ok) or isinstance(value, bool):
+    if not isinstance(value, ok) or isinstance(value, bool) or (key == "source"
+                                                                 and not value.strip()):
       report.reject(reason, where)
       return None
     doc[key] = str(value)

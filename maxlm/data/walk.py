@@ -20,7 +20,8 @@ Files of a kind prepare does not read (`kind_of(path)` is None) are counted by s
 `skipped_files`, "(none)" for a name without one, with their paths in `skipped_file_examples`
 (a few per suffix, all with --verbose); `--as-text GLOB` makes prepare read such files as text.
 An input given on the command line is read whatever its name; a missing one or one that is not
-a regular file or folder (a pipe would be consumed by the tokenizer pass) is an error.
+a regular file or folder (a pipe would be consumed by the tokenizer pass) is an error, and so
+is an input whose source name (a file's stem, a folder's name) is blank (`source_name`).
 
 File names that are not UTF-8 are shown with \\xNN escapes (`display`), so ids, sources and the
 printout are always valid text.
@@ -50,11 +51,11 @@ def iter_files(inputs, report, kind_of):
   seen = set()
   for given in map(str, inputs):
     st = _input_stat(given)
+    source = input_source(given, st)
     if stat.S_ISREG(st.st_mode):
       if _first_time(st, seen, display(given), report):
-        yield given, display(given), _stem(display(given))
+        yield given, display(given), source
     else:
-      source = display(os.path.basename(os.path.abspath(given)))
       for path in _walk(given, st, seen, report, kind_of):
         yield path, display(path), source
 
@@ -62,7 +63,23 @@ def iter_files(inputs, report, kind_of):
 def check_inputs(inputs):
   """Raises the error `iter_files` would for a missing or unusable input, before any work."""
   for given in map(str, inputs):
-    _input_stat(given)
+    input_source(given, _input_stat(given))
+
+
+def input_source(given, st):
+  """The source an input names: a file's stem, a folder's name."""
+  if stat.S_ISREG(st.st_mode):
+    return source_name(_stem(display(given)), f"input {given}")
+  return source_name(display(os.path.basename(os.path.abspath(given))), f"input {given}")
+
+
+def source_name(name, where):
+  """`name`, refused in one line when blank or whitespace only (a folder named '   ', a file
+  '   .txt'): a source must be told apart, in the manifest, --lang SOURCE= and --kind SOURCE=."""
+  if not name.strip():
+    raise MaxlmError(f"{where}: its source name {name!r} is blank; rename it (a source is named "
+                     "by its file's stem, its input folder's name or a record's \"source\")")
+  return name
 
 
 def _input_stat(given):
