@@ -260,7 +260,7 @@ def verify(config_path, overrides=(), kills=3, seed=0, workdir=None, log=print, 
     runs.append(("in-process", inproc))
   else:
     log("[3/3] in-process stop and resume: skipped (one process by nature)")
-  ok = _verdict(base, runs, log) and caught
+  ok = compare(base, runs, log) and caught
   log("\nkills: " + ", ".join(f"{m} at step {s}" for m, s, _ in events)
       + (f"; checkpoint {flipped} corrupted and {'caught' if caught else 'NOT caught'}"
          if flipped is not None else ""))
@@ -337,7 +337,7 @@ def _stop_and_resume_here(config_path, overrides, run_dir):
   loop.train(cfg, log=quiet)
 
 
-def _verdict(base, runs, log):
+def compare(base, runs, log):
   """Every run against the uninterrupted one, step by step and tensor by tensor; the table."""
   reference = _rows(base)
   ref_step, ref_state = _final_state(base)
