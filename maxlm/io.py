@@ -38,13 +38,24 @@ def read_range(path, start, end):
   return _open(_parent(path)).read(_name(path), byte_range=slice(start, end)).result().value
 
 
+class WriteError(MaxlmError):
+  """A write that failed; `reason` is the operating system's words for why ("No space left on
+  device (errno 28)"), for a caller that names the file its own way."""
+
+  def __init__(self, path, reason):
+    super().__init__(f"cannot write {path}: {reason}")
+    self.reason = reason
+
+
 def write_bytes(path, data):
-  if is_local(path):
-    os.makedirs(_parent(path), exist_ok=True)
   try:
+    if is_local(path):
+      os.makedirs(_parent(path), exist_ok=True)
     _open(_parent(path)).write(_name(path), data).result()
+  except OSError as e:  # the folder could not be made
+    raise WriteError(path, f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)) from None
   except ValueError as e:
-    raise MaxlmError(f"cannot write {path}: {describe_error(e)}") from None
+    raise WriteError(path, describe_error(e)) from None
 
 
 def process_alive(pid):

@@ -331,3 +331,64 @@ def test_a_blank_source_name_is_refused(corpus, tmp_path, here):
   assert ok.returncode == 0, ok.stderr
   manifest = json.loads((out / "manifest.json").read_text())
   assert list(manifest["sources"]) == ["web"] and manifest["rejected"]["bad_source"] == 1
+
+
+def last_line_error(proc, *words):
+  """As one_line_error, after the progress lines a command printed before the error."""
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"maxlm {proc.args[0]}: error: ") and all(w in last for w in words), last
+  return last
+
+
+def _full_disk_at(monkeypatch, victim):
+  """TensorStore's writes fail as on a full disk (its own words) for the file named `victim`."""
+  from maxlm import io
+  real_open = io._open
+
+  class Full:
+    def __init__(self, store):
+      self.store = store
+
+    def write(self, name, data):
+      if name == victim:
+        raise ValueError(f'OUT_OF_RANGE: Failed writing: "{name}.__lock": Failed to write 10 '
+                         "bytes to file 6: No space left on device [os_error_code='28']")
+      return self.store.write(name, data)
+
+    def __getattr__(self, attr):
+      return getattr(self.store, attr)
+  monkeypatch.setattr(io, "_open", lambda folder: Full(real_open(folder)))
+
+
+@pytest.mark.parametrize("victim", ["tokens-00000.bin", "manifest.json"])
+def test_a_full_disk_under_a_data_dir_is_one_line_and_leaves_the_old_one(corpus, tmp_path, here,
+                                                                          monkeypatch, victim):
+  """The first shard, or the manifest (the worst moment: every other file written): one line
+  naming the disk being full; the data dir already at --out is as it was, no partial folder."""
+  out = tmp_path / "out"
+  assert _prepare(corpus, "--out", out, via=here).returncode == 0
+  before = _listing(out) + [("manifest", (out / "manifest.json").read_bytes())]
+  _full_disk_at(monkeypatch, victim)
+  line = last_line_error(_prepare(corpus, "--out", out, "--overwrite", via=here),
+                         f"cannot write --out {out}: {victim}: No space left on device "
+                         "(errno 28)", "the old data dir is as it was", "free space there")
+  assert _listing(out) + [("manifest", (out / "manifest.json").read_bytes())] == before, line
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+  monkeypatch.undo()
+  assert here("check-data", out).returncode == 0
+
+
+def test_a_full_disk_under_an_object_store_data_dir_leaves_no_manifest(corpus, tmp_path, here,
+                                                                       monkeypatch):
+  """No rename there: the old manifest went before the first new file, the new one never came,
+  so the next command refuses the dir instead of reading a mix of old and new files."""
+  from maxlm import io
+  out = "memory://hostile-full/data"
+  assert _prepare(corpus, "--out", out, via=here).returncode == 0
+  _full_disk_at(monkeypatch, "manifest.json")
+  last_line_error(_prepare(corpus, "--out", out, "--overwrite", via=here),
+                  "manifest.json: No space left on device (errno 28)", "holds no manifest.json")
+  monkeypatch.undo()
+  assert not io.exists(io.join(out, "manifest.json"))
+  one_line_error(here("check-data", out))

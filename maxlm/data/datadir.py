@@ -136,16 +136,36 @@ class Staging:
     if not self.local and self.old and not self._manifest_dropped:
       io.delete(io.join(self.dir, MANIFEST))
       self._manifest_dropped = True
-    io.write_bytes(io.join(self.dir, name), data)
+    self._put(name, data)
     self.files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     if _SHARD.fullmatch(name):
       self.files[name].update(block_bytes=BLOCK_BYTES, xxh3_64_blocks=block_digests(data))
+
+  def _put(self, name, data):
+    """Writes one file; a failure (a full disk) is one line naming --out, the file and the
+    operating system's words, and what is left: a local data dir appears only once complete
+    (its partial folder is removed by `abort`), and an object store's holds no manifest.json
+    until then, so no later command reads a half-written data dir as a good one."""
+    try:
+      io.write_bytes(io.join(self.dir, name), data)
+    except io.WriteError as e:
+      full = e.reason.endswith(("(errno 28)", "(errno 122)"))  # ENOSPC, EDQUOT
+      fix = "free space there or choose another folder" if full else "choose another folder"
+      raise MaxlmError(f"cannot write --out {self.out}: {name}: {e.reason}; {self._left()}: "
+                       f"{fix}") from None
+
+  def _left(self):
+    """What a failed write leaves at --out, in words."""
+    if not self.local:
+      return "it holds no manifest.json, so no command will read it as a data dir"
+    return "nothing was put in its place" + (" (the old data dir is as it was)" if self.old
+                                             else "")
 
   def commit(self, manifest):
     """Adds `files` and `fingerprint`, writes manifest.json last and puts the dir in place."""
     manifest = {**manifest, "files": dict(sorted(self.files.items())),
                 "fingerprint": fingerprint_of(self.files)}
-    io.write_bytes(io.join(self.dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+    self._put(MANIFEST, json.dumps(manifest, indent=1).encode())
     if self.local:
       self._swap()
       self.release()
