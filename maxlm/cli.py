@@ -246,8 +246,11 @@ def main(argv=None):
   warnings.filterwarnings("ignore", category=DeprecationWarning)
   args = _parse(_parser(), argv)
   _import_early(args.command)
-  with signals.running():
+  with signals.running(args.command, watch=args.command not in _SAVES_ON_SIGNALS):
     return _dispatch(args)
+
+
+_SAVES_ON_SIGNALS = ("train", "verify-restart")  # their own handlers save, or stop children
 
 
 _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still exits at once,

@@ -93,6 +93,8 @@ def cmd_eval(args):
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
   config, data, s, mesh, model, params, step, collections = open_run.open_run(args.run_dir)
+  from maxlm import signals
+  signals.pause_native()  # MAXLM_PAUSE_NATIVE: tests only
   stage = config.stages[s]
   nll_fn = jax.jit(step_lib.make_eval_step(model, config.rules, model.cfg))
 

@@ -392,3 +392,25 @@ def test_a_full_disk_under_an_object_store_data_dir_leaves_no_manifest(corpus, t
   monkeypatch.undo()
   assert not io.exists(io.join(out, "manifest.json"))
   one_line_error(here("check-data", out))
+
+
+def test_sigterm_stops_a_command_stuck_in_native_code(run, tmp_path):
+  """Eval paused in native code (MAXLM_PAUSE_NATIVE, as a long XLA call holds the main thread,
+  where no Python handler runs and Ctrl-C waits too): SIGTERM still ends it, within the pause,
+  with the interrupted command's line and exit code."""
+  import os
+  import signal
+  import time
+  from limits import HANG_S
+  paused = tmp_path / "paused"
+  proc = subprocess.Popen([sys.executable, "-m", "maxlm.cli", "eval", str(run / "run")],
+                          env={**os.environ, "MAXLM_PAUSE_NATIVE": str(paused)},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  give_up = time.monotonic() + HANG_S
+  while not paused.exists() and proc.poll() is None and time.monotonic() < give_up:
+    time.sleep(0.05)
+  assert paused.exists(), proc.communicate()
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=HANG_S)
+  assert proc.returncode == 130 and err.splitlines() == ["maxlm eval: interrupted"], err
+  assert not (tmp_path / "paused.over").exists()  # it ended in the pause, not after it
