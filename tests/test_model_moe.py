@@ -10,12 +10,12 @@ from hypothesis import given, settings, strategies as st
 
 from maxlm import config
 from maxlm.config_model import MoeConfig
-from maxlm.model import build, grouped as grouped_lib, layers, moe
+from maxlm.model import build, experts, grouped as grouped_lib, layers, moe
 
 B, L, D, E, F = 2, 24, 32, 6, 16
 # jitted once each: op-by-op dispatch of the eager functions is slower than compiling them
-grouped = jax.jit(moe.experts_grouped, static_argnums=(5,), static_argnames=("impl",))
-loop = jax.jit(moe.experts_loop, static_argnums=(5,))
+grouped = jax.jit(experts.experts_grouped, static_argnums=(5,), static_argnames=("impl",))
+loop = jax.jit(experts.experts_loop, static_argnums=(5,))
 route = jax.jit(moe.route, static_argnums=(3,))
 
 
@@ -68,7 +68,7 @@ def test_layer_grouped_equals_loop_outputs_and_grads(monkeypatch, score, norm_to
     return jnp.sum(jnp.sin(y)), y
 
   results = {}
-  for name, fn in (("grouped", moe.experts_grouped), ("loop", moe.experts_loop)):
+  for name, fn in (("grouped", experts.experts_grouped), ("loop", experts.experts_loop)):
     monkeypatch.setattr(moe, "_experts_fn", lambda _s, fn=fn: fn)
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         params, x_BxLxD)
@@ -120,13 +120,13 @@ def test_capacity_drops_exactly_the_overflow_slots():
   np.testing.assert_allclose(y_loop, y_masked, atol=1e-6)
   assert float(jnp.max(jnp.abs(y - y_dropless))) > 1e-3
   load_E = jnp.bincount(expert_TxK.reshape(-1), length=3).astype(jnp.float32)
-  assert float(moe.dropped_slots(load_E, capacity)) == (~kept_TxK).sum() == 7
-  assert float(moe.dropped_slots(load_E, 0)) == 0
+  assert float(experts.dropped_slots(load_E, capacity)) == (~kept_TxK).sum() == 7
+  assert float(experts.dropped_slots(load_E, 0)) == 0
 
 
 def test_capacity_mode_layer_sows_dropped_slots_and_matches_loop(monkeypatch):
   cfg = model_config(capacity_factor=0.5, top_k=2)
-  capacity = moe.capacity_for(cfg.moe, B * L)
+  capacity = experts.capacity_for(cfg.moe, B * L)
   assert capacity == math.ceil(0.5 * B * L * 2 / E)
   x_BxLxD = inputs().reshape(B, L, D)
   seg = segments()
@@ -136,7 +136,7 @@ def test_capacity_mode_layer_sows_dropped_slots_and_matches_loop(monkeypatch):
   expected = float(jnp.sum(jnp.maximum(load_E - capacity, 0)))
   assert expected > 0  # the factor is small enough that some expert overflows
   assert float(stats["moe"]["dropped"][0]) == expected
-  monkeypatch.setattr(moe, "_experts_fn", lambda _s: moe.experts_loop)
+  monkeypatch.setattr(moe, "_experts_fn", lambda _s: experts.experts_loop)
   y_loop, _ = apply_layer(cfg, params, x_BxLxD, seg)
   np.testing.assert_allclose(y, y_loop, atol=1e-5)
 

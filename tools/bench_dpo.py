@@ -23,7 +23,7 @@ import numpy as np
 
 from maxlm import config as config_lib
 from maxlm.data import pairs
-from maxlm.model import build
+from maxlm.model import build, sharding
 from maxlm.parallel import mesh as mesh_lib
 from maxlm.train import dpo, optimizer, step as step_lib
 
@@ -88,7 +88,7 @@ def main(argv=None):
                                            0.0), donate_argnums=0)
 
     def fwd(params, b):
-      with nn.logical_axis_rules(mesh_lib.rules_list(cfg.rules)):
+      with nn.logical_axis_rules(sharding.rules_list(cfg.rules)):
         h, head, _ = model.apply({"params": params}, b["inputs"], b["positions"],
                                  b["segment_ids"])
       return dpo.token_logprobs(h, head, b["targets"], model.cfg.loss_chunk).sum()

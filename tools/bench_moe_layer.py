@@ -47,7 +47,7 @@ def real_inputs(n_tokens, d_model):
 def layer_fns(cfg, capacity):
   import jax
   import jax.numpy as jnp
-  from maxlm.model import moe
+  from maxlm.model import experts, moe
 
   def make(experts_fn):
     def forward(x, router, gate_up, down):
@@ -60,9 +60,10 @@ def layer_fns(cfg, capacity):
 
     return jax.jit(forward), jax.jit(grads)
 
-  return {"grouped": make(moe.experts_grouped),
-          "grouped_ragged_dot": make(functools.partial(moe.experts_grouped, impl="ragged_dot")),
-          "loop": make(moe.experts_loop)}
+  return {"grouped": make(experts.experts_grouped),
+          "grouped_ragged_dot": make(functools.partial(experts.experts_grouped,
+                                                       impl="ragged_dot")),
+          "loop": make(experts.experts_loop)}
 
 
 def _max_diff(a, b):
@@ -86,7 +87,7 @@ def one_size(args, n_experts, x_TxD):
   import jax
   import jax.numpy as jnp
   from maxlm.config_model import MoeConfig
-  from maxlm.model import moe
+  from maxlm.model import experts, moe
   d, f = args.d_model, args.d_ff
   keys = jax.random.split(jax.random.key(n_experts), 4)
   params = (jax.random.normal(keys[0], (d, n_experts)) / d ** 0.5,
@@ -122,13 +123,13 @@ def one_size(args, n_experts, x_TxD):
   if args.capacity_factor > 0:
     cap_cfg = MoeConfig(experts=n_experts, top_k=args.top_k,
                         capacity_factor=args.capacity_factor)
-    capacity = moe.capacity_for(cap_cfg, x_TxD.shape[0])
+    capacity = experts.capacity_for(cap_cfg, x_TxD.shape[0])
     fns = layer_fns(cap_cfg, capacity)
     res = {name: (fwd(*inputs), grad(*inputs, cotangent)) for name, (fwd, grad) in fns.items()
            if name != "grouped_ragged_dot"}
     out["max_abs_diff_fwd_capacity"] = _max_diff(res["grouped"][0], res["loop"][0])
     out["max_abs_diff_grad_capacity"] = _max_diff(res["grouped"][1], res["loop"][1])
-    dropped = float(moe.dropped_slots(stats["load"], capacity))
+    dropped = float(experts.dropped_slots(stats["load"], capacity))
     out["dropped_fraction"] = round(dropped / expert.size, 4)
   return out
 

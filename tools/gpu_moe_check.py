@@ -4,9 +4,9 @@
      by expert: the backend's impl from maxlm/model/grouped.py - megablox on TPU, ragged_dot on
      GPU - and ragged_dot) against `experts_loop` (every expert run densely on every token, then
      masked: the reference), with their max difference;
-  2. expert-parallel dispatch: `experts_sharded` (maxlm/parallel/expert.py) with the experts split
-     over all devices against `experts_grouped` on the same devices, and the padded all_to_all
-     alone (its bytes and time). With one device the expert axis is 1 and part 2 times the
+  2. expert-parallel dispatch: `experts_sharded` (maxlm/model/expert_parallel.py) with the
+     experts split over all devices against `experts_grouped` on the same devices, and the padded
+     all_to_all alone (its bytes and time). With one device the expert axis is 1 and part 2 times the
      dispatch's sort / scatter / gather overhead only (the all_to_all is local).
 
 Times are the fastest of `--repeats` runs after one warm-up (compile excluded), in ms. Prints one
@@ -14,7 +14,7 @@ JSON object (also written to --json) with jax versions and the device.
 
   PYTHONPATH=. python tools/gpu_moe_check.py [--json OUT.json] [--dry-run]
   (bash tools/gpu_moe_check.sh [OUT_DIR] [--dry-run] runs it; --dry-run: tiny sizes, f32, on 8
-  fake CPU devices, what tests/test_parallel_expert.py runs)
+  fake CPU devices, what tests/test_model_expert_parallel.py runs)
 """
 
 import argparse
@@ -28,8 +28,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxlm import config as config_lib
-from maxlm.model import grouped, moe
-from maxlm.parallel import expert, mesh as mesh_lib
+from maxlm.model import expert_parallel, experts, grouped
+from maxlm.parallel import mesh as mesh_lib
 
 # Qwen3-30B-A3B-like expert shapes (d_model 2048, expert width 768, top-8), 64 experts to keep
 # the unrolled reference loop's compile short; 8192 tokens per device
@@ -83,10 +83,10 @@ def part_grouped(sizes, repeats):
   impls = list(dict.fromkeys([grouped.default_impl(), "ragged_dot"]))  # the backend's, ragged_dot
   out, results = {}, {}
   for impl in impls:
-    fn = fwd_bwd(functools.partial(moe.experts_grouped, impl=impl), e)
+    fn = fwd_bwd(functools.partial(experts.experts_grouped, impl=impl), e)
     out[f"grouped_{impl}_ms"] = best_ms(fn, (x, w, gu, dn), repeats)
     results[impl] = fn(x, w, gu, dn)[0][1]
-  loop = fwd_bwd(moe.experts_loop, e)
+  loop = fwd_bwd(experts.experts_loop, e)
   out["loop_ms"] = best_ms(loop, (x, w, gu, dn), repeats)
   y_loop = loop(x, w, gu, dn)[0][1]
   for impl, y in results.items():
@@ -100,8 +100,8 @@ def part_dispatch(sizes, repeats):
   mesh = mesh_lib.make_mesh(config_lib.MeshConfig(data=1, expert=n))
   per_device = dict(sizes, tokens=sizes["tokens"] * n)  # the same tokens per device as part 1
   x, e, w, gu, dn = inputs(**per_device)
-  sharded = fwd_bwd(functools.partial(expert.experts_sharded, mesh=mesh), e)
-  grouped = fwd_bwd(moe.experts_grouped, e)
+  sharded = fwd_bwd(functools.partial(expert_parallel.experts_sharded, mesh=mesh), e)
+  grouped = fwd_bwd(experts.experts_grouped, e)
   out = {"expert_axis": n, "sharded_ms": best_ms(sharded, (x, w, gu, dn), repeats),
          "grouped_one_program_ms": best_ms(grouped, (x, w, gu, dn), repeats)}
   out["sharded_vs_grouped_max_abs_diff"] = max_diff(sharded(x, w, gu, dn)[0][1],

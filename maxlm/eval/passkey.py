@@ -146,12 +146,12 @@ def make_predict(model, rules):
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
-  from maxlm.parallel import mesh as mesh_lib
+  from maxlm.model import sharding
   sp = model.settings.sparse
   indexed = sp is not None and sp.mode != "dense"
 
   def predict(params, batch, where):
-    with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
+    with nn.logical_axis_rules(sharding.rules_list(rules)):
       result = model.apply({"params": params}, batch["inputs"], batch["positions"],
                            batch["segment_ids"], mutable=["sparse"] if indexed else False)
     h, head, _ = result[0] if indexed else result

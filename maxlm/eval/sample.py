@@ -35,8 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import MaxlmError
 from maxlm.eval.generate import SEEDS
-from maxlm.model import layers as layers_lib
-from maxlm.parallel import mesh as mesh_lib
+from maxlm.model import layers as layers_lib, sharding
 
 PAD = 0
 BUCKET = 8  # prompt lengths are padded up to a multiple of this, so fewer shapes compile
@@ -232,7 +231,7 @@ def generate_arrays(model, params, prompts, *, n_samples, max_new_tokens, temper
     out = fn(params, tokens, lengths, keys, collections)
   else:
     rules = model.settings.rules if rules is None else rules
-    with mesh, nn.logical_axis_rules(mesh_lib.rules_list(rules or {})):
+    with mesh, nn.logical_axis_rules(sharding.rules_list(rules or {})):
       out = fn(params, *_shard_rows([tokens, lengths, keys], mesh, rules or {}), collections)
   return tuple(np.asarray(jax.device_get(a))[:n] for a in out)
 

@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm.model import loss as loss_lib
+from maxlm.model import loss as loss_lib, sharding
 from maxlm.model.transformer import Decoder, Settings
-from maxlm.parallel import mesh as mesh_lib
 
 
 def model_for(config, stage_index, mesh=None, vocab_size=None):
@@ -61,7 +60,7 @@ def abstract_params(model, seq_len=8):
 def param_shardings(model, mesh, rules, seq_len=8):
   abstract = abstract_variables(model, seq_len)
   specs = nn.get_partition_spec(abstract)
-  return nn.logical_to_mesh_sharding(specs, mesh, mesh_lib.rules_list(rules))["params"]
+  return nn.logical_to_mesh_sharding(specs, mesh, sharding.rules_list(rules))["params"]
 
 
 def param_axes(config, vocab_size):
@@ -90,7 +89,7 @@ def init_params(model, rng, mesh, rules, seq_len=8):
   shardings = param_shardings(model, mesh, rules, seq_len)
 
   def init(key):
-    with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
+    with nn.logical_axis_rules(sharding.rules_list(rules)):
       return nn.meta.unbox(model.init(key, *_dummy(model, seq_len))["params"])
 
   with mesh:  # not jax.set_mesh: flax's scanned logical params then mis-rank their specs
@@ -111,7 +110,7 @@ def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0, moe_bias=None):
   moe = model.cfg.moe
   mutable = (["sparse"] if indexed else []) + (["moe"] if moe.experts > 0 else [])
   variables = {"params": params, **({"moe_bias": moe_bias} if moe_bias is not None else {})}
-  with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
+  with nn.logical_axis_rules(sharding.rules_list(rules)):
     result = model.apply(variables, batch["inputs"], batch["positions"],
                          batch["segment_ids"], mutable=mutable or False)
     (h, head, peak), sown = result if mutable else (result, {})

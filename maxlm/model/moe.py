@@ -1,39 +1,33 @@
 """Mixture-of-experts MLP (`model.moe`): top-k routing, routed SwiGLU experts, shared experts.
 
-`MoeMlp` replaces the dense `Mlp` in the layers `maxlm/model/layers.py` marks MoE. Its middle is
-three pure functions so expert parallelism (maxlm/parallel/expert.py) can swap the expert
-computation while routing stays one implementation:
+`MoeMlp` replaces the dense `Mlp` in the layers `maxlm/model/layers.py` marks MoE. Routing is one
+pure function; the expert computation after it is maxlm/model/experts.py's on one device, or
+maxlm/model/expert_parallel.py's when the mesh splits the experts:
 
   route(x_TxD, router_DxE, bias_E, moe_cfg, mask_T) -> (expert_TxK, weight_TxK, stats)
-  experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity) -> y_TxD
-  experts_loop(...)  same signature: a per-expert loop, the reference the tests hold it to
 
 Routing (DeepSeek-V3): router logits in float32; softmax or sigmoid scores; the bias (collection
 "moe_bias", updated outside the gradient by the training step) only chooses the top k, the
 weights are the unbiased scores of the chosen experts, renormalized over them with `norm_topk`.
 A slot whose token is padding (segment id 0) is routed to the sentinel expert E with weight 0:
-every experts_* function computes nothing for it and counts it in neither load nor capacity.
-
-Experts: dropless by default - token slots sorted by expert and two grouped matmuls
-(maxlm/model/grouped.py: megablox on TPU, jax.lax.ragged_dot on GPU, a tiled scan on CPU).
-With `capacity` > 0 each expert keeps its first `capacity` slots in token order and the rest
-contribute 0 (the layer sows how many were dropped).
+the expert computation computes nothing for it and counts it in neither load nor capacity.
 
 Per-layer statistics are sown into collection "moe": load [E] (real token slots per expert,
 float32), aux_loss (Switch/GShard E * sum_e f_e P_e), z_loss (mean logsumexp^2 of the logits),
-entropy (mean over tokens of the score distribution's entropy) and dropped (capacity mode).
+entropy (mean over tokens of the score distribution's entropy) and dropped (capacity mode: the
+slots over their expert's capacity).
 """
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxlm.model import grouped
+from maxlm.model import expert_parallel, experts
+from maxlm.model.mlp import Mlp
 
 
 def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
@@ -78,68 +72,6 @@ def _route_stats(logits_TxE, scores_TxE, expert_TxK, mask_T, cfg):
           "entropy": jax.lax.stop_gradient(jnp.sum(real_T * entropy_T) / n_real)}
 
 
-def capacity_for(cfg, n_tokens):
-  """Slots each expert keeps: ceil(capacity_factor * T * k / E); 0 means dropless."""
-  if cfg.capacity_factor <= 0:
-    return 0
-  return math.ceil(cfg.capacity_factor * n_tokens * cfg.top_k / cfg.experts)
-
-
-def dropped_slots(load_E, capacity):
-  """Real token slots over their expert's capacity (0 when dropless)."""
-  if not capacity:
-    return jnp.float32(0)
-  return jnp.sum(jnp.maximum(load_E - capacity, 0.0))
-
-
-def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
-                    impl=None):
-  """Routed SwiGLU experts over token slots sorted by expert (two grouped matmuls); computes in
-  x's dtype. capacity 0: dropless; > 0: each expert's slots past `capacity` in token order
-  contribute 0. Slots with expert id E (padding) contribute 0."""
-  n_tokens, k = expert_TxK.shape
-  n_experts, d, _, f = gate_up_ExDx2xF.shape
-  n_slots = n_tokens * k
-  dt = x_TxD.dtype
-  expert_S = expert_TxK.reshape(-1)
-  order_S = jnp.argsort(expert_S, stable=True)  # slot indices, grouped by expert, token order
-  sizes_E = jnp.bincount(expert_S, length=n_experts).astype(jnp.int32)  # sentinel E not counted
-  if capacity:
-    sorted_S = expert_S[order_S]
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    rank_S = jnp.arange(n_slots) - start_E[jnp.minimum(sorted_S, n_experts - 1)]
-    kept_S = (sorted_S < n_experts) & (rank_S < capacity)
-    order_S = order_S[jnp.argsort(jnp.where(kept_S, sorted_S, n_experts), stable=True)]
-    sizes_E = jnp.minimum(sizes_E, capacity)
-  x_SxD = x_TxD[order_S // k]
-  gate_up_Sx2F = grouped.matmul(x_SxD, gate_up_ExDx2xF.reshape(n_experts, d, 2 * f).astype(dt),
-                                sizes_E, impl)
-  gate_up_Sx2xF = gate_up_Sx2F.reshape(n_slots, 2, f)
-  h_SxF = nn.silu(gate_up_Sx2xF[:, 0]) * gate_up_Sx2xF[:, 1]
-  y_SxD = grouped.matmul(h_SxF, down_ExFxD.astype(dt), sizes_E, impl)
-  y_SxD = jnp.where((jnp.arange(n_slots) < jnp.sum(sizes_E))[:, None], y_SxD, 0)
-  unsort_S = jnp.zeros(n_slots, jnp.int32).at[order_S].set(jnp.arange(n_slots, dtype=jnp.int32))
-  y_TxKxD = y_SxD[unsort_S].reshape(n_tokens, k, d)
-  return jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), weight_TxK).astype(dt)
-
-
-def experts_loop(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0):
-  """Reference for experts_grouped: every expert runs on every token, then is masked."""
-  n_tokens, k = expert_TxK.shape
-  dt = x_TxD.dtype
-  y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
-  for e in range(gate_up_ExDx2xF.shape[0]):
-    gate_up_Tx2xF = jnp.einsum("td,dgf->tgf", x_TxD, gate_up_ExDx2xF[e].astype(dt))
-    h_TxF = nn.silu(gate_up_Tx2xF[:, 0]) * gate_up_Tx2xF[:, 1]
-    out_TxD = (h_TxF @ down_ExFxD[e].astype(dt)).astype(jnp.float32)
-    mine_S = expert_TxK.reshape(-1) == e
-    if capacity:  # the first `capacity` slots in token order
-      mine_S = mine_S & (jnp.cumsum(mine_S) <= capacity)
-    w_T = jnp.sum(jnp.where(mine_S.reshape(n_tokens, k), weight_TxK, 0.0), axis=-1)
-    y_TxD = y_TxD + w_T[:, None] * out_TxD
-  return y_TxD.astype(dt)
-
-
 class _Router(nn.Module):
   n_experts: int
   std: float
@@ -171,10 +103,9 @@ def _experts_fn(settings):
   """experts_grouped, or the expert-parallel version when the mesh has an expert axis > 1."""
   mesh = getattr(settings, "mesh", None)
   if mesh is not None and mesh.shape.get("expert", 1) > 1:
-    from maxlm.parallel import expert  # pylint: disable=import-outside-toplevel
-    return functools.partial(expert.experts_sharded, mesh=mesh,
-                             batch_axes=expert.token_axes(settings.rules, mesh.axis_names))
-  return experts_grouped
+    return functools.partial(expert_parallel.experts_sharded, mesh=mesh, batch_axes=
+                             expert_parallel.token_axes(settings.rules, mesh.axis_names))
+  return experts.experts_grouped
 
 
 class MoeMlp(nn.Module):
@@ -184,7 +115,6 @@ class MoeMlp(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, segment_ids_BxL=None):
-    from maxlm.model.transformer import Mlp  # pylint: disable=import-outside-toplevel
     c, m = self.cfg, self.cfg.moe
     dt = jnp.dtype(c.dtype)
     b, length, d = x_BxLxD.shape
@@ -199,9 +129,9 @@ class MoeMlp(nn.Module):
     x_TxD = x_BxLxD.astype(dt).reshape(b * length, d)
     mask_T = None if segment_ids_BxL is None else segment_ids_BxL.reshape(-1) > 0
     expert_TxK, weight_TxK, stats = route(x_TxD, router_DxE, bias_E, m, mask_T)
-    capacity = capacity_for(m, b * length)
+    capacity = experts.capacity_for(m, b * length)
     y_TxD = _experts_fn(self.settings)(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
-    stats["dropped"] = dropped_slots(stats["load"], capacity)
+    stats["dropped"] = experts.dropped_slots(stats["load"], capacity)
     for name, value in stats.items():
       self.sow("moe", name, value)
     y_BxLxD = y_TxD.reshape(b, length, d).astype(dt)

@@ -1,7 +1,7 @@
 """The device mesh (data, fsdp, expert, tensor, context) and the logical -> mesh axis rules.
 
 Every parameter and key activation carries logical axis names (see `model.transformer`);
-`config.rules` maps them to mesh axes.
+`config.rules` maps them to mesh axes (in flax's form: maxlm/model/sharding.py).
 """
 
 import dataclasses
@@ -38,11 +38,6 @@ def make_mesh(mesh_config, devices=None):
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(mesh_config, len(devices))
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
-
-
-def rules_list(rules):
-  """flax's rule format: ((logical, mesh axes or None), ...)."""
-  return tuple((name, tuple(axes) if axes else None) for name, axes in rules.items())
 
 
 def batch_sharding(mesh, rules):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from maxlm.parallel import mesh as mesh_lib
+from maxlm.model import sharding
 from maxlm.train import update
 
 CHOSEN, REJECTED = 1, 2
@@ -88,7 +88,7 @@ def dpo_terms(policy, reference, beta, smoothing):
 
 def forward(model, params, batch, rules, chunk):
   """(log p(target) per position [B, L], the step's max logit) of a policy; GRPO's too."""
-  with nn.logical_axis_rules(mesh_lib.rules_list(rules)):
+  with nn.logical_axis_rules(sharding.rules_list(rules)):
     h, head, peak = model.apply({"params": params}, batch["inputs"], batch["positions"],
                                 batch["segment_ids"])
   return token_logprobs(h, head, batch["targets"], chunk), peak

@@ -54,11 +54,11 @@ PARTS = ("params", "optimizer", "gradients", "activations", "working", "attentio
 def estimate(config, s, n_devices, vocab, platform=None):
   """{part: bytes per device} for stage s of config on n_devices, and "total"."""
   from maxlm.model import attention as attention_lib, build
-  from maxlm.parallel import expert
+  from maxlm.model import expert_parallel
   stage, m = config.stages[s], config.model
   shape = dict(zip(config_lib.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, n_devices)))
   if m.moe.experts:
-    expert.check_split(m.moe.experts, shape["expert"])
+    expert_parallel.check_split(m.moe.experts, shape["expert"])
   ways = lambda name: int(np.prod([shape[a] for a in config.rules.get(name, ())] or [1]))
   axes = build.param_axes(config, vocab)
   count = sum(math.prod(dims) / math.prod(ways(n) if n else 1 for n in names)

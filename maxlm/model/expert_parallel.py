@@ -1,9 +1,10 @@
 """Expert parallelism: the routed experts split over the mesh's `expert` axis.
 
-`experts_sharded` has the signature of `maxlm.model.moe.experts_grouped` plus the mesh, and equals
-it within float tolerance (outputs and gradients) on any mesh. Inside `jax.shard_map` each device
-holds E/n experts (n = the expert axis) and a block of the tokens (split over the batch axes, the
-expert axis and the sequence axis, as in MaxText and DeepSeek's expert parallelism). Per device:
+`experts_sharded` has the signature of `maxlm.model.experts.experts_grouped` plus the mesh, and
+equals it within float tolerance (outputs and gradients) on any mesh. Inside `jax.shard_map` each
+device holds E/n experts (n = the expert axis) and a block of the tokens (split over the batch
+axes, the expert axis and the sequence axis, as in MaxText and DeepSeek's expert parallelism).
+Per device:
 
   1. sort its token slots (token, choice) by expert, so by the device that holds the expert;
   2. `all_to_all` over `expert`: block j of a [n, S, D] buffer (S = its slots) goes to device j,
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.model import moe
+from maxlm.model.experts import experts_grouped
 
 EXPERT_AXIS = "expert"
 
@@ -58,7 +59,7 @@ def check_split(n_experts, n):
 
 def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
                     impl=None, *, mesh, batch_axes=None):
-  """`moe.experts_grouped` with the experts split over the mesh's `expert` axis.
+  """`experts_grouped` with the experts split over the mesh's `expert` axis.
 
   batch_axes: the mesh axes splitting the T tokens (default: `token_axes` of the default rules);
   the expert axis is added if missing. T must divide by their product, E by the expert axis."""
@@ -109,7 +110,7 @@ def _local(x_TxD, expert_TxK, weight_TxK, gate_up_GxDx2xF, down_GxFxD, *, n, n_e
   recv_counts_NxG = _exchange(counts_NxG)  # row i: source i's slots for each of my experts
   ends_NxG = jnp.cumsum(recv_counts_NxG, axis=1)
   local_NxS = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(n_slots), side="right"))(ends_NxG)
-  y_MxD = moe.experts_grouped(  # local id g (past a block's rows): padding, contributes 0
+  y_MxD = experts_grouped(  # local id g (past a block's rows): padding, contributes 0
       recv_NxSxD.reshape(n * n_slots, d), local_NxS.reshape(-1, 1).astype(jnp.int32),
       jnp.ones((n * n_slots, 1), jnp.float32), gate_up_GxDx2xF, down_GxFxD, 0, impl)
   back_NxSxD = _exchange(y_MxD.reshape(n, n_slots, d))

@@ -1,5 +1,5 @@
-"""Expert parallelism (maxlm/parallel/expert.py) on 8 fake CPU devices (tests/conftest.py): any
-mesh with the experts split equals one device's `experts_grouped`, outputs and gradients."""
+"""Expert parallelism (maxlm/model/expert_parallel.py) on 8 fake CPU devices (tests/conftest.py):
+any mesh with the experts split equals one device's `experts_grouped`, outputs and gradients."""
 
 import functools
 import json
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.model import build, moe
-from maxlm.parallel import expert, mesh as mesh_lib
+from maxlm.model import build, expert_parallel, experts
+from maxlm.parallel import mesh as mesh_lib
 from maxlm.typed_yaml import ConfigError
 from limits import HANG_S
 import xlaflags
@@ -60,8 +60,8 @@ def _value_and_grads(experts_fn, inputs, capacity):
 
 
 def _sharded(mesh):
-  return functools.partial(expert.experts_sharded, mesh=mesh,
-                           batch_axes=expert.token_axes(config_lib.DEFAULT_RULES, mesh.axis_names))
+  return functools.partial(expert_parallel.experts_sharded, mesh=mesh, batch_axes=
+                           expert_parallel.token_axes(config_lib.DEFAULT_RULES, mesh.axis_names))
 
 
 def _assert_same(got, want):
@@ -75,7 +75,7 @@ def _assert_same(got, want):
 @functools.lru_cache(maxsize=None)
 def _one_device(capacity):
   """One device's experts_grouped on _inputs(), computed once for every mesh below."""
-  return _value_and_grads(moe.experts_grouped, _inputs(), capacity)
+  return _value_and_grads(experts.experts_grouped, _inputs(), capacity)
 
 
 @pytest.mark.parametrize("sizes", MESHES, ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
@@ -94,28 +94,29 @@ def test_every_slot_to_one_device_is_still_dropless():
   mesh = _mesh(data=1, expert=8)
   inputs = _inputs(skew=True)
   _assert_same(_value_and_grads(_sharded(mesh), inputs, 0),
-               _value_and_grads(moe.experts_loop, inputs, 0))
+               _value_and_grads(experts.experts_loop, inputs, 0))
 
 
 def test_tokens_split_over_the_expert_axis_even_when_the_batch_rule_omits_it():
   mesh = _mesh(data=2, expert=4)
   rules = {**config_lib.DEFAULT_RULES, "batch": ("data",)}
-  assert expert.token_axes(rules, mesh.axis_names) == ("data", "expert", "context")
-  assert expert.token_axes(config_lib.DEFAULT_RULES, mesh.axis_names) == (
+  assert expert_parallel.token_axes(rules, mesh.axis_names) == ("data", "expert", "context")
+  assert expert_parallel.token_axes(config_lib.DEFAULT_RULES, mesh.axis_names) == (
       "data", "fsdp", "expert", "context")
   inputs = _inputs(tokens=32)
-  fn = functools.partial(expert.experts_sharded, mesh=mesh, batch_axes=("data",))
-  _assert_same(_value_and_grads(fn, inputs, 0), _value_and_grads(moe.experts_grouped, inputs, 0))
+  fn = functools.partial(expert_parallel.experts_sharded, mesh=mesh, batch_axes=("data",))
+  _assert_same(_value_and_grads(fn, inputs, 0),
+               _value_and_grads(experts.experts_grouped, inputs, 0))
 
 
 def test_indivisible_experts_or_tokens_are_one_clear_error():
   mesh = _mesh(data=1, expert=8)
   x_TxD, expert_TxK, weight_TxK, gate_up, down = _inputs(n_experts=4)
   with pytest.raises(MaxlmError, match="4 experts do not split over mesh expert=8"):
-    expert.experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up, down, mesh=mesh)
+    expert_parallel.experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up, down, mesh=mesh)
   x_TxD, expert_TxK, weight_TxK, gate_up, down = _inputs(tokens=60)
   with pytest.raises(MaxlmError, match="60 tokens do not split over the 8 devices"):
-    expert.experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up, down, mesh=mesh)
+    expert_parallel.experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up, down, mesh=mesh)
 
 
 def test_mesh_expert_axis_sizes():
