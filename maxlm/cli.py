@@ -13,6 +13,7 @@ import importlib  # noqa: E402
 import warnings  # noqa: E402
 
 from maxlm import MaxlmError, cli_data, cli_memory, cli_run, config as config_lib  # noqa: E402
+from maxlm.compile import command as compile_command  # noqa: E402
 
 
 def _add_config(p):
@@ -82,6 +83,7 @@ def _add_data_commands(sub):
   p.add_argument("--json", action="store_true", help="print the ledger as JSON, not a table")
 
   cli_memory.add_parser(sub, _add_config)
+  compile_command.add_parser(sub, _add_config)
 
   p = sub.add_parser("batches", help="write global (or one host's) batches to an .npz")
   _add_config(p)
@@ -202,6 +204,7 @@ COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "show-doc": cli_data.cmd_show_doc,
             "check-data": cli_data.cmd_check_data,
             "ledger": cli_data.cmd_ledger, "memory": cli_memory.cmd_memory,
+            "compile": compile_command.cmd_compile,
             "batches": cli_data.cmd_batches,
             "show-batch": cli_data.cmd_show_batch, "train": cmd_train,
             "plot": cli_run.cmd_plot, "verify-restart": cmd_verify_restart,
@@ -261,7 +264,8 @@ _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still e
     "demo": ("maxlm.demo",), "prepare": ("maxlm.data.prepare",),
     "ledger": ("maxlm.data.loader",), "batches": ("maxlm.data.loader",),
     "show-batch": ("maxlm.data.loader", "maxlm.data.show"), "plot": ("maxlm.train.plot",),
-    "sweep": ("maxlm.sweep",), "export": ("maxlm.interop.export",)}
+    "sweep": ("maxlm.sweep",), "export": ("maxlm.interop.export",),
+    "compile": ("maxlm.compile.stage",)}
 
 
 def _import_early(command):

@@ -23,10 +23,11 @@ settings.register_profile("maxlm", derandomize=True, deadline=None, print_blob=T
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("maxlm")
 
-# The libraries our checks against outside references need (the hf and quality-check extras).
+# The libraries our checks against outside references need (the hf, quality-check and aot
+# extras: libtpu is the TPU compiler tests/test_compile.py compiles with).
 # With MAXLM_REQUIRE_REFERENCES=1 (.ci/run, the README's test command) a test that skips for
 # want of one fails instead: a missing extra must not turn those checks green unseen.
-REFERENCES = ("torch", "transformers", "datatrove", "datasketch", "spacy")
+REFERENCES = ("torch", "transformers", "datatrove", "datasketch", "spacy", "libtpu")
 
 
 def _reference_skip(report):
@@ -40,7 +41,7 @@ def _reference_skip(report):
 def _fail(report, reason):
   report.outcome = "failed"
   report.longrepr = (f"MAXLM_REQUIRE_REFERENCES=1 and this reference check skipped: {reason} "
-                     "(pip install -e '.[test,quality-check,hf]')")
+                     "(pip install -e '.[test,quality-check,hf,aot]')")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -97,4 +97,4 @@ def test_ci_runs_the_readme_test_command_with_the_reference_libraries():
   with open(os.path.join(ROOT, ".ci", "run")) as f:
     ci = [line for line in f.read().splitlines() if line and not line.startswith("#")]
   assert ci[-1] == command and "set -euo pipefail" in ci  # pytest's exit 5 fails it too
-  assert "'.[test,quality-check,hf]'" in command and "MAXLM_REQUIRE_REFERENCES=1 " in command
+  assert "'.[test,quality-check,hf,aot]'" in command and "MAXLM_REQUIRE_REFERENCES=1 " in command

@@ -113,13 +113,14 @@ def parts(config, s, vocab):
   return _COMPILED[key]
 
 
-def unjitted(config, s, vocab, devices=None):
+def unjitted(config, s, vocab, devices=None, platform=None):
   """(mesh, model, optimizer, the objective's train step before jit, state shardings) of
-  stage s over `devices` (default: every device of the job): what `parts` compiles, and what
-  the memory estimate compiles on other device counts."""
+  stage s over `devices` (default: every device of the job) of `platform` (default: this
+  process's backend): what `parts` compiles here, what the memory estimate compiles on other
+  device counts, and what `maxlm compile` compiles for a TPU slice."""
   stage = config.stages[s]
   mesh = mesh_lib.make_mesh(stage.mesh, *([devices] if devices is not None else []))
-  model = build.model_for(config, s, mesh, vocab)
+  model = build.model_for(config, s, mesh, vocab, platform)
   opt, lr = optimizer.make(config.train, schedule.Schedule(config).total)
   step = train_step(config, s, model, opt, lr)
   return mesh, model, opt, step, state_shardings(model, opt, mesh, config.rules, stage.seq_len)

@@ -28,6 +28,8 @@ context parallelism, `sparse_context`.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from maxlm import MaxlmError
 from maxlm.model.attention import (auto_rule, blockwise, context, kernels, reference,
@@ -53,15 +55,18 @@ def resolve(impl, platform=None, seq_len=None, docs_per_row=None):
 
 
 def attention(q, k, v, segment_ids, *, impl="auto", block_q=512, block_k=512, mesh=None,
-              batch_axes=None, head_axes=None, max_logit=False, docs_per_row=None, window=0):
-  """Returns out [B, L, H, D], and with max_logit=True also the largest visible logit."""
+              batch_axes=None, head_axes=None, max_logit=False, docs_per_row=None, window=0,
+              platform=None):
+  """Returns out [B, L, H, D], and with max_logit=True also the largest visible logit.
+  `platform` (cpu, tpu, gpu; default this process's backend) is where the step runs: it picks
+  `auto` and whether a Pallas kernel is interpreted (on a CPU) or compiled."""
   if q.shape[2] % k.shape[2]:
     raise MaxlmError(f"attention: {k.shape[2]} KV heads do not divide {q.shape[2]} heads")
-  impl = resolve(impl, seq_len=q.shape[1], docs_per_row=docs_per_row)
+  platform = platform or jax.default_backend()
+  impl = resolve(impl, platform, seq_len=q.shape[1], docs_per_row=docs_per_row)
   if window and impl == "gpu_mha":
     raise MaxlmError("attention impl 'gpu_mha' has no sliding window; use impl=gpu for "
                      "model.attention.window > 0")
-  interpret = jax.default_backend() == "cpu"
   if mesh is not None and mesh.shape.get("context", 1) > 1:
     out, peak = context.attention(q, k, v, segment_ids, mesh=mesh, batch_axes=batch_axes,
                                   head_axes=head_axes, block_q=block_q, block_k=block_k,
@@ -71,21 +76,55 @@ def attention(q, k, v, segment_ids, *, impl="auto", block_q=512, block_k=512, me
   elif impl == "blockwise":
     out, peak = blockwise.attention(q, k, v, segment_ids, segment_ids, block_q=block_q,
                                     block_k=block_k, window=window)
-  elif impl == "gpu":
-    out, peak = triton_segments.gpu(q, k, v, segment_ids, block=min(block_q, 128),
-                                    interpret=interpret, window=window)
   else:
-    if impl == "splash":
-      out = splash_segments.splash(q, k, v, segment_ids, block=block_q, interpret=interpret,
-                                   window=window)
-    elif impl == "splash_causal":
-      out = kernels.splash(q, k, v, segment_ids, block=block_q, interpret=interpret,
-                           window=window)
-    else:
-      out = kernels.gpu(q, k, v, segment_ids, block=min(block_q, 128), interpret=interpret)
-    peak = None
-    if max_logit:  # the kernels do not report it; one forward pass without gradients does
+    kernel = _kernel(impl, block_q, window, interpret=platform == "cpu")
+    out, peak = per_shard(kernel, mesh, batch_axes, head_axes)(q, k, v, segment_ids)
+    if max_logit and peak is None:  # the kernel does not report it: a forward pass does
       peak = jax.lax.stop_gradient(blockwise.attention(
           q, k, v, segment_ids, segment_ids, block_q=block_q, block_k=block_k,
           window=window)[1])
   return (out, peak if peak is not None else jnp.float32(jnp.nan)) if max_logit else out
+
+
+def _kernel(impl, block_q, window, interpret):
+  """kernel(q, k, v, segment_ids) -> (out, max logit or None) of a Pallas implementation."""
+  if impl == "gpu":
+    return lambda q, k, v, seg: triton_segments.gpu(q, k, v, seg, block=min(block_q, 128),
+                                                    interpret=interpret, window=window)
+  if impl == "splash":
+    fn = lambda q, k, v, seg: splash_segments.splash(q, k, v, seg, block=block_q,
+                                                     interpret=interpret, window=window)
+  elif impl == "splash_causal":
+    fn = lambda q, k, v, seg: kernels.splash(q, k, v, seg, block=block_q, interpret=interpret,
+                                             window=window)
+  else:
+    fn = lambda q, k, v, seg: kernels.gpu(q, k, v, seg, block=min(block_q, 128),
+                                          interpret=interpret)
+  return lambda q, k, v, seg: (fn(q, k, v, seg), None)
+
+
+def per_shard(kernel, mesh, batch_axes, head_axes):
+  """`kernel` run on each device's rows (and heads) of operands sharded over `mesh`. A Pallas
+  call is one custom call that XLA cannot partition: Mosaic (TPU) refuses one over sharded
+  operands, and on GPU it is computed whole on every device after all-gathering q, k and v.
+  Heads split over `head_axes` when the KV heads divide as the query heads do, else each
+  device computes every head of its rows; the max logit, where reported, is the mesh's max."""
+  if mesh is None or not (batch_axes or head_axes):
+    return kernel
+  axes = tuple(batch_axes or ()) + tuple(head_axes or ())
+
+  def call(q, k, v, seg):
+    ways = int(np.prod([mesh.shape[a] for a in head_axes or ()]))
+    kv_heads = head_axes if head_axes and k.shape[2] % ways == 0 else None
+    q_spec = P(batch_axes, None, head_axes if kv_heads else None, None)
+    kv_spec = P(batch_axes, None, kv_heads, None)
+    reports_peak = jax.eval_shape(kernel, q, k, v, seg)[1] is not None
+
+    def local(ql, kl, vl, sl):
+      out, peak = kernel(ql, kl, vl, sl)
+      return out, (jax.lax.pmax(peak, axes) if reports_peak else jnp.float32(0))
+    out, peak = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec,
+                                                          P(batch_axes, None)),
+                              out_specs=(q_spec, P()), check_vma=False)(q, k, v, seg)
+    return out, (peak if reports_peak else None)
+  return call

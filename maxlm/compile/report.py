@@ -1,0 +1,69 @@
+"""What a compiled step says about itself: bytes a device (the compiler's memory accounting),
+the collectives in the optimized module (count and bytes by kind), and on TPU the cost model's
+FLOPs and step time.
+
+Collectives are read from the optimized HLO text, one instruction a line: an `all-gather`,
+`reduce-scatter`, `all-reduce`, `all-to-all` or `collective-permute` (their `-start` forms
+included) counts once, its bytes those of its result shape. XLA's cost model counts a scanned
+layer loop's body once and a Pallas kernel not at all (a kernel without a cost estimate is
+unknown to it), so its FLOPs are reported beside our analytic count, not instead of it.
+"""
+
+import re
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               "f8e4m3fn": 1, "f8e5m2": 1}
+_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def memory(compiled):
+  """{arguments, outputs, aliased, temporaries, total} bytes a device; total = arguments +
+  outputs not aliased to a donated argument + temporaries."""
+  stats = compiled.memory_analysis()
+  out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+         "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
+          + out["temporaries"]}
+
+
+def shape_bytes(text):
+  """Bytes of an HLO result shape: `bf16[8,128]{1,0}` or a tuple of such."""
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
+def collectives(hlo_text):
+  """{kind: {"count", "bytes"}} of the collectives in an optimized HLO module's text."""
+  out = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+  for line in hlo_text.splitlines():
+    m = _OP.search(line)
+    if m:
+      out[m[2]]["count"] += 1
+      out[m[2]]["bytes"] += shape_bytes(m[1])
+  return out
+
+
+def cost(compiled):
+  """{"flops", "bytes_accessed", "optimal_seconds"} from XLA's cost model, where it has one
+  (TPU), with a negative or missing time dropped; else {}."""
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 (GPU: "GetCostAnalysis is not supported")
+    return {}
+  if isinstance(analysis, list):
+    analysis = analysis[0] if analysis else None
+  if not analysis:
+    return {}
+  out = {"flops": analysis.get("flops"), "bytes_accessed": analysis.get("bytes accessed")}
+  seconds = analysis.get("optimal_seconds")
+  if seconds is not None and seconds > 0:
+    out["optimal_seconds"] = seconds
+  return {k: v for k, v in out.items() if v is not None}

@@ -1,0 +1,39 @@
+"""One stage's real train step compiled for a target's devices: the stage's parts as a run
+builds them (maxlm/train/stage.py: its objective, sparse mode, MoE, mesh, remat, loss_chunk,
+grad_accum) over the target's devices, with the implementations the target runs, lowered from
+abstract arguments (nothing is allocated) and compiled by the target's compiler."""
+
+import time
+
+import jax
+
+from maxlm.compile import report
+from maxlm.model import attention as attention_lib, build
+from maxlm.train import memory, stage as stage_lib, step as step_lib
+
+
+def compile_stage(config, s, vocab, devices, platform):
+  """{"stage", "seq_len", "compiled", "collectives", "cost", "flops", "compile_s", ...} of
+  stage s compiled for `devices` of `platform`."""
+  stage = config.stages[s]
+  mesh, model, opt, step, shardings = stage_lib.unjitted(config, s, vocab, devices,
+                                                         platform=platform)
+  state = jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+      jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
+                                                          stage.seq_len)), shardings)
+  t0 = time.perf_counter()
+  with mesh:
+    lowered = jax.jit(step, donate_argnums=0).lower(
+        state, *memory.step_inputs(config, s, mesh, state))
+    compiled = lowered.compile()
+  seconds = time.perf_counter() - t0
+  tokens = stage.batch * stage.seq_len
+  return {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
+          "batch": stage.batch, "objective": config.objective_for(s),
+          "attention": attention_lib.resolve(stage.attention, platform, stage.seq_len),
+          "compiled": report.memory(compiled),
+          "collectives": report.collectives(compiled.as_text()),
+          "cost": report.cost(compiled),
+          "flops": {"analytic": build.flops_per_token(model.cfg, stage.seq_len) * tokens},
+          "compile_s": round(seconds, 1)}

@@ -1,0 +1,68 @@
+"""`maxlm compile` (maxlm/compile/): targets, what a compiled step reports, and real compiles by
+libtpu's XLA:TPU (and Mosaic) compiler on this CPU machine, at small shapes."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from maxlm import MaxlmError
+from maxlm.compile import report, target
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["model.size=tiny", "model.vocab_size=512", "model.dtype=bfloat16", "model.remat=full",
+        "model.loss_chunk=128", "stages.0.seq_len=256", "stages.0.batch=8",
+        "stages.0.block_q=128", "stages.0.block_k=128", "stages.0.mesh.data=1",
+        "stages.0.mesh.fsdp=-1"]
+
+
+def test_targets_parse_and_a_typo_is_one_line():
+  t = target.parse("tpu:v5e:2x4")
+  assert (t.platform, t.chip, t.topology, t.hbm_bytes) == ("tpu", "v5e", "v5e:2x4", 16 * 2**30)
+  assert target.parse("gpu:h200:1x1x8").hbm_bytes == 141 * 2**30
+  for bad in ("v5e:2x4", "tpu:v9:2x2", "gpu:a100:1x1x8", "tpu:v5e", ""):
+    with pytest.raises(MaxlmError, match="expected tpu:<chip>:<topology>"):
+      target.parse(bad)
+
+
+def test_collectives_are_counted_with_their_result_bytes():
+  hlo = "\n".join([
+      "  %ag = bf16[8,1024]{1,0} all-gather(bf16[1,1024]{1,0} %p), dimensions={0}",
+      "  %ar-start = (f32[4]{0}, f32[4]{0}) all-reduce-start(f32[4]{0} %x), to_apply=%add",
+      "  %rs = f32[2,8]{1,0} reduce-scatter(f32[16,8]{1,0} %g), dimensions={0}",
+      "  %cp = s32[128]{0} collective-permute(s32[128]{0} %c), source_target_pairs={{0,1}}",
+      "  %add = f32[4]{0} add(f32[4]{0} %a, f32[4]{0} %b)",
+      "  %ar-done = f32[4]{0} all-reduce-done((f32[4]{0}, f32[4]{0}) %ar-start)"])
+  got = report.collectives(hlo)
+  assert got["all-gather"] == {"count": 1, "bytes": 8 * 1024 * 2}
+  assert got["all-reduce"] == {"count": 1, "bytes": 2 * 4 * 4}  # the -start, not the -done
+  assert got["reduce-scatter"] == {"count": 1, "bytes": 2 * 8 * 4}
+  assert got["collective-permute"] == {"count": 1, "bytes": 128 * 4}
+  assert got["all-to-all"] == {"count": 0, "bytes": 0}
+
+
+def test_an_unknown_topology_is_one_line():
+  pytest.importorskip("libtpu")
+  with pytest.raises(MaxlmError, match="libtpu has no topology 'v5e:3x3'"):
+    target.devices(target.parse("tpu:v5e:3x3"))
+
+
+@pytest.mark.parametrize("attention", ["blockwise", "splash"])
+def test_a_stage_compiles_for_a_tpu_slice_and_reports(attention):
+  """The real XLA:TPU compiler (and Mosaic for splash) on a 4-chip v5e slice, batch over fsdp."""
+  pytest.importorskip("libtpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "maxlm.cli", "compile", "configs/demo.yaml", *TINY,
+       f"stages.0.attention={attention}", "--stage", "0",
+       "--target", "tpu:v5e:2x2", "--json"], capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout)
+  (stage,) = out["stages"]
+  assert out["devices"] == 4 and stage["fits"] and stage["attention"] == attention
+  c = stage["compiled"]
+  assert c["total"] == c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"] > 0
+  assert 0.5 < stage["estimate_total"] / c["total"] < 2
+  assert stage["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the weights
+  assert stage["cost"]["flops"] > 0 and stage["compile_s"] > 0
