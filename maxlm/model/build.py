@@ -11,8 +11,9 @@ from maxlm.model import loss as loss_lib, sharding
 from maxlm.model.transformer import Decoder, Settings
 
 
-def model_for(config, stage_index, mesh=None, vocab_size=None):
-  """The Decoder for one stage (the stage sets RoPE, attention impl and tiles)."""
+def model_for(config, stage_index, mesh=None, vocab_size=None, platform=None):
+  """The Decoder for one stage (the stage sets RoPE, attention impl and tiles) on `platform`
+  (cpu, tpu or gpu; default this process's backend), which picks the implementations."""
   cfg = config.model
   if vocab_size is not None:
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
@@ -21,7 +22,7 @@ def model_for(config, stage_index, mesh=None, vocab_size=None):
   stage = config.stages[stage_index]
   settings = Settings(rope=stage.rope, impl=stage.attention, block_q=stage.block_q,
                       block_k=stage.block_k, mesh=mesh, rules=dict(config.rules),
-                      sparse=stage.sparse)
+                      sparse=stage.sparse, platform=platform)
   return Decoder(cfg, settings)
 
 

@@ -40,6 +40,7 @@ class Settings:
   mesh: Any = None
   rules: Any = None  # {logical: mesh axes}
   sparse: Any = None  # config.SparseConfig; None or mode dense: no indexer
+  platform: Any = None  # cpu | tpu | gpu, where the step runs (None: this process's backend)
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +109,7 @@ class Attention(nn.Module):
                          block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
                          batch_axes=tuple(rules.get("batch", ())) or None,
                          head_axes=tuple(rules.get("act_heads", ())) or None,
-                         max_logit=c.max_logit, window=self.window)
+                         max_logit=c.max_logit, window=self.window, platform=s.platform)
       out, peak = result if c.max_logit else (result, jnp.float32(jnp.nan))
       if mode == "indexer_warmup" and cp:
         self._sow(sparse_context.warmup(

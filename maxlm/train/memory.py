@@ -155,14 +155,14 @@ def compiled(config, s, n_devices, vocab):
                                                           stage.seq_len)), shardings)
   step = jax.jit(step, donate_argnums=0)
   with mesh:
-    stats = step.lower(state, *_step_inputs(config, s, mesh, state)).compile().memory_analysis()
+    stats = step.lower(state, *step_inputs(config, s, mesh, state)).compile().memory_analysis()
   out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
          "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
   return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
           + out["temporaries"]}
 
 
-def _step_inputs(config, s, mesh, state):
+def step_inputs(config, s, mesh, state):
   """The abstract arguments after the state that stage s's step takes for its objective."""
   import jax
   import jax.numpy as jnp
