@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import tokenizer as tok_lib
-from maxlm.interop import export, hf_config, layout, load, parity, run_reader
+from maxlm.interop import export, hf_config, layout, load, parity, run_reader, tensor_map
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = {"size": "tiny", "dtype": "float32", "remat": "none", "d_model": 32, "n_layers": 3,
@@ -111,7 +111,7 @@ def test_layout_makes_every_llama_tensor_once_and_inverts(scan, tied):
       part = array[i] if i is not None else array
       tensors = leaf.to_hf(part)
       assert tuple(tensors) == leaf.names
-      full = {layout.hf_layer_name(i, n) if i is not None else n: t for n, t in tensors.items()}
+      full = {tensor_map.hf_layer_name(i, n) if i is not None else n: t for n, t in tensors.items()}
       assert not set(full) & set(made)
       made.update(full)
       assert np.array_equal(leaf.from_hf(tensors.__getitem__), part)

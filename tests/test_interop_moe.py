@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.interop import families, hf_config, layout, load, parity
+from maxlm.interop import families, hf_config, layout, load, parity, tensor_map
 
 MODEL = {"d_model": 32, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "d_ff": 48}
 MOE = {"experts": 4, "top_k": 2, "shared_experts": 1, "d_ff": 16, "first_dense": 1}
@@ -80,7 +80,7 @@ def test_layout_makes_every_hf_tensor_once_and_inverts(name, scan):
       part = array if row is None else array[row]
       tensors = leaf.to_hf(part)
       assert tuple(tensors) == leaf.names
-      full = {layout.hf_layer_name(i, n) if i is not None else n: t for n, t in tensors.items()}
+      full = {tensor_map.hf_layer_name(i, n) if i is not None else n: t for n, t in tensors.items()}
       assert not set(full) & set(made)
       made.update(full)
       if leaf.path is not None:

@@ -185,10 +185,10 @@ def test_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path):
   real ENOSPC (the temporary name is /dev/full) names the file and leaves no temporary."""
   target = tmp_path / "sweep.json"
   target.write_text("old")
-  (tmp_path / "sweep.json.tmp").symlink_to("/dev/full")
+  (tmp_path / f"sweep.json.tmp-{os.getpid()}.json").symlink_to("/dev/full")
   with pytest.raises(MaxlmError, match=r"cannot write .*sweep.json: No space left on device "
-                                       r"\(errno 28\); free space"):
-    report.write_whole(str(target), "new" * 100_000)
+                                       r"\(errno 28\)"):
+    report.write_json(str(tmp_path), [], [], {"big": "new" * 100_000}, None, 1e18)
   assert target.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["sweep.json"]
 
 

@@ -1,4 +1,4 @@
-"""Training mixture-of-experts models (maxlm/train/moe_state.py, maxlm/train/step.py,
+"""Training mixture-of-experts models (maxlm/model/moe_state.py, maxlm/train/step.py,
 maxlm/model/build.py): the balancing bias and its update, the auxiliary losses in the loss, the
 routing metrics, FLOPs and parameter counts of active vs all experts, and a bitwise resume."""
 
@@ -16,11 +16,11 @@ import yaml
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.train import open_run
-from maxlm.model import build, layers
+from maxlm.model import build, layers, moe_state
 from maxlm.parallel import mesh as mesh_lib
 from maxlm.train import memory
 from maxlm.sweep import grid
-from maxlm.train import console, moe_state, optimizer, resume, step as step_lib, verify
+from maxlm.train import console, optimizer, resume, step as step_lib, verify
 from maxlm.train import metrics as metrics_lib
 
 from smallrun import small_config

@@ -100,7 +100,7 @@ def write_step0(config, folder):
 def maxlm_decayed(params, model_cfg, train):
   """The transformers names of the tensors maxlm's optimizer decays."""
   import jax
-  from maxlm.interop import layout
+  from maxlm.interop import layout, tensor_map
   from maxlm.train import optimizer
   mask = optimizer.decay_mask(params, train.decay_embeddings)
   names = set()
@@ -110,7 +110,7 @@ def maxlm_decayed(params, model_cfg, train):
       node = node[key]
     if node:
       for i in range(leaf.shape[0]) if leaf.per_layer else [None]:
-        names.update(layout.hf_layer_name(i, n) if i is not None else n for n in leaf.names)
+        names.update(tensor_map.hf_layer_name(i, n) if i is not None else n for n in leaf.names)
   return names
 
 

@@ -8,53 +8,25 @@ against transformers' logits). Every reshape here is a transpose or a view, so a
 bit for bit.
 """
 
-import dataclasses
-from typing import Callable
-
 import numpy as np
 
-from maxlm.interop import families
-from maxlm.train import moe_state
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-  """One maxlm parameter: its path in the params tree, whether it is stacked over layers, and
-  how one layer's (or the whole) array maps to Llama tensors (name suffixes) and back."""
-  path: tuple
-  shape: tuple  # the whole parameter's (layers first when stacked)
-  per_layer: bool
-  names: tuple  # the Llama tensors it makes (suffixes after model.layers.N. when per_layer)
-  to_hf: Callable  # maxlm array -> {hf name (a suffix for per-layer leaves): array}
-  from_hf: Callable  # get(hf name) -> maxlm array
-  layers: tuple = None  # the model layer of each row of a stacked leaf (None: row i, layer i)
-  collection: str = "params"  # its variable collection ("moe_bias": the balancing bias)
-  hf: dict = None  # {hf name (suffix when per_layer): shape} (None: a Llama leaf, hf_shapes)
-
-  def layer_ids(self):
-    return tuple(range(self.shape[0])) if self.layers is None else self.layers
-
-
-def hf_layer_name(i, suffix):
-  return f"model.layers.{i}.{suffix}"
-
-
-def _c(x):
-  return np.ascontiguousarray(x)  # safetensors writes an array's memory as it lies
+from maxlm.interop import families, planned
+from maxlm.interop.tensor_map import (Leaf, contiguous, got_in_layer, hf_layer_name,
+                                      named_in_layer, outer_leaves)
+from maxlm.model import moe_state
 
 
 def leaves(cfg, biased=None):
   """The Leaf of every maxlm parameter, for a ModelConfig with vocab_size resolved (and of
   every layer's balancing bias when `biased`, default: the model trains one)."""
   if families.family(cfg) != families.LLAMA:
-    from maxlm.interop import planned  # it builds on this module's Leaf
     return planned.leaves(cfg, _llama_layer(cfg), _LAYER_NAMES,
                           moe_state.enabled(cfg) if biased is None else biased)
   d, v, n = cfg.d_model, cfg.vocab_size, cfg.n_layers
   layer = _llama_layer(cfg)
   out = [Leaf(("embedding",), (v, d), False, ("model.embed_tokens.weight",),
-              lambda a: {"model.embed_tokens.weight": _c(a)},
-              lambda get: _c(get("model.embed_tokens.weight")))]
+              lambda a: {"model.embed_tokens.weight": contiguous(a)},
+              lambda get: contiguous(get("model.embed_tokens.weight")))]
   for local, (shape, to_hf, from_hf) in layer.items():
     names = _LAYER_NAMES[local]
     if cfg.scan_layers:
@@ -62,22 +34,9 @@ def leaves(cfg, biased=None):
     else:
       for i in range(n):
         out.append(Leaf((f"layer_{i}", *local), shape, False,
-                        tuple(hf_layer_name(i, x) for x in names), _named(i, to_hf),
-                        _got(i, from_hf)))
+                        tuple(hf_layer_name(i, x) for x in names), named_in_layer(i, to_hf),
+                        got_in_layer(i, from_hf)))
   out.extend(outer_leaves(cfg))
-  return out
-
-
-def outer_leaves(cfg):
-  """The final norm and the head (untied): every family's, after the layers."""
-  d, v = cfg.d_model, cfg.vocab_size
-  out = [Leaf(("final_norm", "scale"), (d,), False, ("model.norm.weight",),
-              lambda a: {"model.norm.weight": _c(a)},
-              lambda get: _c(get("model.norm.weight")))]
-  if not cfg.tied_embeddings:
-    out.append(Leaf(("head",), (d, v), False, ("lm_head.weight",),
-                    lambda a: {"lm_head.weight": _c(a.T)},
-                    lambda get: _c(get("lm_head.weight").T)))
   return out
 
 
@@ -87,30 +46,30 @@ def _llama_layer(cfg):
   d, h, k, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
 
   def qkv(name, heads):
-    return (lambda a: {name: _c(a.reshape(d, heads * hd).T)},
-            lambda get: _c(get(name).T.reshape(d, heads, hd)))
+    return (lambda a: {name: contiguous(a.reshape(d, heads * hd).T)},
+            lambda get: contiguous(get(name).T.reshape(d, heads, hd)))
 
   return {  # local path: (one layer's shape, to_hf, from_hf)
       ("attention", "query", "kernel"): ((d, h, hd), *qkv("self_attn.q_proj.weight", h)),
       ("attention", "key", "kernel"): ((d, k, hd), *qkv("self_attn.k_proj.weight", k)),
       ("attention", "value", "kernel"): ((d, k, hd), *qkv("self_attn.v_proj.weight", k)),
       ("attention", "out", "kernel"): ((h, hd, d),
-          lambda a: {"self_attn.o_proj.weight": _c(a.reshape(h * hd, d).T)},
-          lambda get: _c(get("self_attn.o_proj.weight").T.reshape(h, hd, d))),
+          lambda a: {"self_attn.o_proj.weight": contiguous(a.reshape(h * hd, d).T)},
+          lambda get: contiguous(get("self_attn.o_proj.weight").T.reshape(h, hd, d))),
       ("attention_norm", "scale"): ((d,),
-          lambda a: {"input_layernorm.weight": _c(a)},
-          lambda get: _c(get("input_layernorm.weight"))),
+          lambda a: {"input_layernorm.weight": contiguous(a)},
+          lambda get: contiguous(get("input_layernorm.weight"))),
       ("mlp", "gate_up", "kernel"): ((d, 2, f),
-          lambda a: {"mlp.gate_proj.weight": _c(a[:, 0, :].T),
-                     "mlp.up_proj.weight": _c(a[:, 1, :].T)},
-          lambda get: _c(np.stack([get("mlp.gate_proj.weight").T,
+          lambda a: {"mlp.gate_proj.weight": contiguous(a[:, 0, :].T),
+                     "mlp.up_proj.weight": contiguous(a[:, 1, :].T)},
+          lambda get: contiguous(np.stack([get("mlp.gate_proj.weight").T,
                                    get("mlp.up_proj.weight").T], axis=1))),
       ("mlp", "down", "kernel"): ((f, d),
-          lambda a: {"mlp.down_proj.weight": _c(a.T)},
-          lambda get: _c(get("mlp.down_proj.weight").T)),
+          lambda a: {"mlp.down_proj.weight": contiguous(a.T)},
+          lambda get: contiguous(get("mlp.down_proj.weight").T)),
       ("mlp_norm", "scale"): ((d,),
-          lambda a: {"post_attention_layernorm.weight": _c(a)},
-          lambda get: _c(get("post_attention_layernorm.weight"))),
+          lambda a: {"post_attention_layernorm.weight": contiguous(a)},
+          lambda get: contiguous(get("post_attention_layernorm.weight"))),
   }
 
 
@@ -126,18 +85,9 @@ _LAYER_NAMES = {
 }
 
 
-def _named(i, to_hf):
-  return lambda a: {hf_layer_name(i, k): v for k, v in to_hf(a).items()}
-
-
-def _got(i, from_hf):
-  return lambda get: from_hf(lambda name: get(hf_layer_name(i, name)))
-
-
 def hf_shapes(cfg, biased=None):
   """{hf tensor name: shape} of the model a ModelConfig exports to."""
   if families.family(cfg) != families.LLAMA:
-    from maxlm.interop import planned  # it builds on this module's Leaf
     return planned.hf_shapes(cfg, leaves(cfg, biased),
                              moe_state.enabled(cfg) if biased is None else biased)
   d, h, k, hd, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,

@@ -31,8 +31,8 @@ import numpy as np
 from safetensors import safe_open
 
 from maxlm import MaxlmError, io, outputs
-from maxlm.interop import export, families, layout, run_reader
-from maxlm.train import moe_state
+from maxlm.interop import export, families, layout, run_reader, tensor_map
+from maxlm.model import moe_state
 
 _MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
                "tied_embeddings", "moe.experts", "moe.top_k", "moe.shared_experts", "moe.d_ff",
@@ -246,7 +246,7 @@ def _collection(source, cfg, like_tree, put, collection):
     keys = tuple(getattr(k, "key", k) for k in path)
     leaf = by_path[keys]
     if leaf.per_layer:
-      array = np.stack([leaf.from_hf(lambda n, i=i: source.get(layout.hf_layer_name(i, n)))
+      array = np.stack([leaf.from_hf(lambda n, i=i: source.get(tensor_map.hf_layer_name(i, n)))
                         for i in leaf.layer_ids()])
     else:
       array = leaf.from_hf(source.get)

@@ -14,7 +14,7 @@ import numpy as np
 
 from maxlm import config as config_lib
 from maxlm.data import tokenizer as tok_lib
-from maxlm.interop import export, families, layout
+from maxlm.interop import export, families, layout, tensor_map
 from maxlm.model import build
 
 
@@ -28,7 +28,7 @@ class ParamsSource:
       array = self.array(leaf)
       for row, i in enumerate(leaf.layer_ids()) if leaf.per_layer else [(None, None)]:
         for name, value in leaf.to_hf(array[row] if i is not None else array).items():
-          self._tensors[layout.hf_layer_name(i, name) if i is not None else name] = value
+          self._tensors[tensor_map.hf_layer_name(i, name) if i is not None else name] = value
 
   def array(self, leaf):
     if leaf.path is None:

@@ -1,6 +1,6 @@
-"""The Leaf list (layout.py) of a model whose layers differ: MoE and dense layers, local and
-global attention, stored as maxlm/model/layers.py plans them (scanned groups of blocks, one
-stack, or unrolled layers).
+"""The Leaf list (tensor_map.py; layout.py lists a Llama's) of a model whose layers differ: MoE and
+dense layers, local and global attention, stored as maxlm/model/layers.py plans them (scanned
+groups of blocks, one stack, or unrolled layers).
 
 Where each layer lives is asked of `layers.per_layer` itself (on a stand-in tree that records
 the keys and indices it is asked for), so this module follows the layer plan without a copy of
@@ -18,7 +18,8 @@ direct test of `locations` would check.
 import numpy as np
 
 from maxlm.interop import families
-from maxlm.interop.layout import Leaf, _c, _got, _named, hf_layer_name, outer_leaves
+from maxlm.interop.tensor_map import (Leaf, contiguous, got_in_layer, hf_layer_name,
+                                      named_in_layer, outer_leaves)
 from maxlm.model import layers as layers_lib
 
 
@@ -74,8 +75,8 @@ def leaves(cfg, llama_layer, llama_names, biased):
     by_store.setdefault(prefix, []).append((row, i))
   d, v = cfg.d_model, cfg.vocab_size
   out = [Leaf(("embedding",), (v, d), False, ("model.embed_tokens.weight",),
-              lambda a: {"model.embed_tokens.weight": _c(a)},
-              lambda get: _c(get("model.embed_tokens.weight")),
+              lambda a: {"model.embed_tokens.weight": contiguous(a)},
+              lambda get: contiguous(get("model.embed_tokens.weight")),
               hf={"model.embed_tokens.weight": (v, d)})]
   for prefix, rows in by_store.items():
     rows.sort(key=lambda r: -1 if r[0] is None else r[0])
@@ -84,8 +85,8 @@ def leaves(cfg, llama_layer, llama_names, biased):
       if rows[0][0] is None:  # unrolled: one layer, full names
         i = rows[0][1]
         out.append(Leaf((*prefix, *local), shape, False,
-                        tuple(hf_layer_name(i, x) for x in hf), _named(i, to_hf),
-                        _got(i, from_hf), collection=collection,
+                        tuple(hf_layer_name(i, x) for x in hf), named_in_layer(i, to_hf),
+                        got_in_layer(i, from_hf), collection=collection,
                         hf={hf_layer_name(i, x): s for x, s in hf.items()}))
       else:
         out.append(Leaf((*prefix, *local), (len(rows), *shape), True, tuple(hf), to_hf,

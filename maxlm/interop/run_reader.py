@@ -20,7 +20,7 @@ import tensorstore as ts
 
 from maxlm import MaxlmError, config as config_lib, io
 from maxlm.ckpt import checkpoint, integrity
-from maxlm.interop import layout
+from maxlm.interop import layout, tensor_map
 
 
 def split_spec(spec):
@@ -77,7 +77,7 @@ class RunCheckpoint:
     for leaf in layout.leaves(self.model_cfg):
       for row, i in enumerate(leaf.layer_ids()) if leaf.per_layer else [(None, None)]:
         for name in leaf.names:
-          names[layout.hf_layer_name(i, name) if leaf.per_layer else name] = (leaf, row)
+          names[tensor_map.hf_layer_name(i, name) if leaf.per_layer else name] = (leaf, row)
     return names
 
   def names(self):

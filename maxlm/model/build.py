@@ -105,7 +105,7 @@ def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0, moe_bias=None):
   MoE adds `moe.aux_loss x (load-balancing loss summed over MoE layers) + moe.router_z_loss x
   (router z-loss summed over MoE layers)` to the loss: both are means over this batch's
   tokens, so they enter aux["total"] (a sum over loss positions) times the loss count.
-  `moe_bias`: the train state's balancing bias (maxlm/train/moe_state.py), or None."""
+  `moe_bias`: the train state's balancing bias (maxlm/model/moe_state.py), or None."""
   sp = model.settings.sparse
   indexed = sp is not None and sp.mode != "dense"
   moe = model.cfg.moe

@@ -1,6 +1,5 @@
 """What a sweep leaves behind: the printed tables, sweep.json, isoflop.png, recommended.yaml."""
 
-import contextlib
 import json
 import math
 import os
@@ -8,7 +7,7 @@ import os
 import numpy as np
 import yaml
 
-from maxlm import MaxlmError, io
+from maxlm import outputs
 from maxlm.sweep import fit, grid, runner
 
 N_CONVENTION = ("N counts every parameter, embeddings included (Chinchilla's convention); "
@@ -65,8 +64,8 @@ def tables(rows, fitted, exponents, recommendation, target):
 def write_json(out, rows, fitted, exponents, recommendation, target):
   body = {"convention": N_CONVENTION, "points": rows, "fits": fitted, "exponents": exponents,
           "target_flops": target, "recommendation": recommendation}
-  write_whole(os.path.join(out, "sweep.json"),
-              json.dumps(body, indent=1, allow_nan=True) + "\n")
+  with outputs.writing(os.path.join(out, "sweep.json")) as tmp, open(tmp, "w") as f:
+    f.write(json.dumps(body, indent=1, allow_nan=True) + "\n")
 
 
 def write_recommended(out, raw, recommendation, vocab, tied, per_step, target, model=None):
@@ -91,7 +90,8 @@ def write_recommended(out, raw, recommendation, vocab, tied, per_step, target, m
             f"in {steps} steps; {recommendation['rule']}.\n# Run: maxlm train "
             f"{os.path.join(out, 'recommended.yaml')}\n")
   path = os.path.join(out, "recommended.yaml")
-  write_whole(path, header + yaml.safe_dump(cfg, sort_keys=False))
+  with outputs.writing(path) as tmp, open(tmp, "w") as f:
+    f.write(header + yaml.safe_dump(cfg, sort_keys=False))
   return path
 
 
@@ -136,30 +136,8 @@ def write_png(out, rows, fitted, exponents, target):
   fig.tight_layout()
   path = os.path.join(out, "isoflop.png")
   try:
-    with _replacing(path, ".tmp.png") as tmp:
+    with outputs.writing(path) as tmp:
       fig.savefig(tmp, dpi=100)
   finally:
     plt.close(fig)
   return path
-
-
-def write_whole(path, text):
-  """Writes `path` whole or not at all (a full disk leaves the old file and no temporary)."""
-  with _replacing(path, ".tmp") as tmp, open(tmp, "w") as f:
-    f.write(text)
-
-
-@contextlib.contextmanager
-def _replacing(path, suffix):
-  """A temporary name to write; renamed to `path` once written, removed on any failure, and an
-  OSError (ENOSPC, EROFS, ...) reported as one line naming `path`."""
-  tmp = path + suffix
-  try:
-    yield tmp
-    os.replace(tmp, path)
-  except OSError as e:
-    raise MaxlmError(f"cannot write {path}: {e.strerror or e} (errno {e.errno}); free space or "
-                     "choose another --out (finished points are kept: rerun to resume)") from None
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)

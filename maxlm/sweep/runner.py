@@ -25,7 +25,7 @@ import time
 import numpy as np
 import yaml
 
-from maxlm import MaxlmError, config as config_lib, io
+from maxlm import MaxlmError, config as config_lib, outputs
 from maxlm.data import store
 from maxlm.sweep import grid
 from maxlm.train import metrics
@@ -196,11 +196,11 @@ def _run_one(p, log, stop):
     return _SKIPPED
   log(f"running {p.name}: {p.shape.model_keys()} N={p.n_params:,}, {p.steps} steps, "
       f"{p.epochs:.2f} epochs")
-  from maxlm.sweep import report  # report imports this module
   path = os.path.join(p.run_dir, "config.sweep.yaml")
   try:
     os.makedirs(p.run_dir, exist_ok=True)
-    report.write_whole(path, yaml.safe_dump(p.config, sort_keys=False))
+    with outputs.writing(path) as tmp, open(tmp, "w") as f:
+      f.write(yaml.safe_dump(p.config, sort_keys=False))
   except (OSError, MaxlmError) as e:
     stop.set()
     return str(e) if isinstance(e, MaxlmError) else f"cannot write {p.run_dir}: {e.strerror}"

@@ -146,7 +146,7 @@ def progress_line(s, k, steps, g, total, row, seconds_left):
 
 def worst_balance(row):
   """(layer, max/mean) of the worst-balanced MoE layer in a metrics row (the
-  moe/max_load_over_mean/<layer> values maxlm/train/moe_state.py logs), or None."""
+  moe/max_load_over_mean/<layer> values maxlm/model/moe_state.py logs), or None."""
   prefix = "moe/max_load_over_mean/"
   found = [(k[len(prefix):], v) for k, v in row.items() if k.startswith(prefix)]
   return max(found, key=lambda item: (item[1], item[0])) if found else None

@@ -17,8 +17,8 @@ import numpy as np
 
 from maxlm.data import ledger, plan
 from maxlm.eval import bpb, positions
+from maxlm.model import moe_state
 from maxlm.parallel import distributed, mesh as mesh_lib
-from maxlm.train import moe_state
 
 _WARNED_SMALL = set()  # run dirs whose small held-out sets this process has named
 

@@ -26,8 +26,8 @@ import jax
 from maxlm import MaxlmError, config as config_lib
 from maxlm.ckpt import checkpoint, integrity
 from maxlm.data import loader, plan, skip
-from maxlm.model import build
-from maxlm.train import moe_state, stage as stage_lib, step as step_lib
+from maxlm.model import build, moe_state
+from maxlm.train import stage as stage_lib, step as step_lib
 
 
 def data_fingerprint(data):

@@ -13,9 +13,9 @@ import optax
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import loader
-from maxlm.model import attention as attention_lib, build
+from maxlm.model import attention as attention_lib, build, moe_state
 from maxlm.parallel import mesh as mesh_lib
-from maxlm.train import dpo, grpo, moe_state, optimizer, schedule, step as step_lib
+from maxlm.train import dpo, grpo, optimizer, schedule, step as step_lib
 
 _COMPILED = {}  # (config, stage, vocab) -> StageParts
 
@@ -150,7 +150,7 @@ def state_shardings(model, opt, mesh, rules, seq_len):
   opt_sh = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, abstract_params),
                                  params, transform_non_params=lambda _: scalar)
   out = {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
-  if moe_state.enabled(model.cfg):  # MoE's balancing bias (maxlm/train/moe_state.py)
+  if moe_state.enabled(model.cfg):  # MoE's balancing bias (maxlm/model/moe_state.py)
     out[moe_state.BIAS] = moe_state.shardings(
         build.abstract_collection(model, moe_state.BIAS, seq_len), mesh)
   return out

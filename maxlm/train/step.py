@@ -1,7 +1,7 @@
 """The train state, the language model's train step and the eval step.
 
 State is a dict pytree {params, opt_state, step, rng}, plus moe_bias under MoE with bias
-balancing (maxlm/train/moe_state.py: updated after each step from its load, outside the
+balancing (maxlm/model/moe_state.py: updated after each step from its load, outside the
 gradient). The step is maxlm/train/update.py's over the language model's loss: the summed NLL
 (plus z-loss, and MoE's weighted auxiliary losses) over all its loss positions divided by their
 count.
@@ -10,8 +10,8 @@ count.
 import jax
 import jax.numpy as jnp
 
-from maxlm.model import build
-from maxlm.train import moe_state, sparse_stage, update
+from maxlm.model import build, moe_state
+from maxlm.train import sparse_stage, update
 
 
 def init_state(model, opt, mesh, rules, seed, seq_len):

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxlm.model import layers
+
 BIAS = "moe_bias"  # the variable collection (and the train state's key)
 STATS = "moe"  # the collection the layers sow their routing statistics into
 SUMMED = ("load", "dropped")  # summed over micro-batches; the others are averaged
@@ -96,7 +98,6 @@ def finish(stats, micro_batches):
 def layer_names(model_cfg):
   """{module path of an MoE layer's statistics: [its layer indices as names]}, one name per
   row of a scanned stack (maxlm/model/layers.py decides where each layer lives)."""
-  from maxlm.model import layers
   index_trees = [{"moe": {"index": i}} if spec.moe else {}
                  for i, spec in enumerate(layers.specs(model_cfg))]
   tree = layers.from_per_layer(index_trees, model_cfg)
