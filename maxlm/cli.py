@@ -269,7 +269,8 @@ _HEAVY_IMPORTS = {  # what each command imports first: done while Ctrl-C still e
 
 
 def _import_early(command):
-  enable_compile_cache()
+  if command != "compile":  # its executables are for another machine: nothing to reuse here
+    enable_compile_cache()
   for name in _HEAVY_IMPORTS.get(command, ()):
     try:
       importlib.import_module(name)
