@@ -74,7 +74,8 @@ MODEL_SIZES = {  # named sizes; explicit model.* keys override them
     "1b": dict(d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192),
     "8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336),
 }
-ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash", "gpu")
+# every name maxlm/model/impl.py chooses among (splash_causal, gpu_mha: kernels for benches)
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash", "gpu", "splash_causal", "gpu_mha")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
@@ -265,7 +266,7 @@ class StageConfig:
   mix: dict[str, float] | None = None  # > 0; overrides data.mix for this stage
   name: str = ""  # shown in the ledger, the console and curves.png (default: the index)
   rope: RopeConfig = RopeConfig()
-  attention: str = "auto"  # auto | reference | blockwise | splash | gpu
+  attention: str = "auto"  # auto | reference | blockwise | splash | gpu (| splash_causal | gpu_mha)
   block_q: int = 512  # >= 8; attention tile sizes
   block_k: int = 512  # >= 8
   mesh: MeshConfig = MeshConfig()

@@ -3,7 +3,8 @@ documents per row, at the edges of its thresholds."""
 
 import pytest
 
-from maxlm.model.attention import IMPLS, auto_rule
+from maxlm.config import ATTENTION_IMPLS as IMPLS
+from maxlm.model.attention import auto_rule
 
 
 def test_cpu_takes_the_dense_reference_up_to_its_threshold_then_blockwise():

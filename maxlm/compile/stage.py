@@ -8,7 +8,7 @@ import time
 import jax
 
 from maxlm.compile import report
-from maxlm.model import attention as attention_lib, build
+from maxlm.model import build, impl as impl_lib
 from maxlm.train import memory, stage as stage_lib, step as step_lib
 
 
@@ -31,7 +31,7 @@ def compile_stage(config, s, vocab, devices, platform):
   tokens = stage.batch * stage.seq_len
   return {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
           "batch": stage.batch, "objective": config.objective_for(s),
-          "attention": attention_lib.resolve(stage.attention, platform, stage.seq_len),
+          "attention": impl_lib.attention_impl(stage.attention, platform, stage.seq_len),
           "compiled": report.memory(compiled),
           "collectives": report.collectives(compiled.as_text()),
           "cost": report.cost(compiled),

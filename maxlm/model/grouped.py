@@ -1,7 +1,7 @@
 """Grouped matmul: rows of lhs in consecutive groups, each times its group's matrix (MoE experts).
 
-`matmul(lhs_MxK, rhs_GxKxN, sizes_G)`; rows past sum(sizes_G) give 0. `default_impl` is the one
-place that picks the implementation for the backend:
+`matmul(lhs_MxK, rhs_GxKxN, sizes_G)`; rows past sum(sizes_G) give 0. `default_impl` asks
+maxlm/model/impl.py's rule for the backend:
 
   megablox    TPU: the Pallas kernel jax ships (jax.experimental.pallas.ops.tpu.megablox);
               `megablox_interpret` runs it on CPU for tests
@@ -16,14 +16,16 @@ place that picks the implementation for the backend:
 import jax
 import jax.numpy as jnp
 
+from maxlm.model import impl as impl_lib
+
 IMPLS = ("tiled", "ragged_dot", "megablox", "megablox_interpret")
 _MEGABLOX_TILE_M = 128
 _MAX_TILE = 128
 
 
 def default_impl():
-  backend = jax.default_backend()
-  return {"tpu": "megablox", "cpu": "tiled"}.get(backend, "ragged_dot")
+  """This process's backend's implementation (maxlm/model/impl.py `grouped_impl`)."""
+  return impl_lib.grouped_impl(jax.default_backend())
 
 
 def matmul(lhs_MxK, rhs_GxKxN, sizes_G, impl=None):

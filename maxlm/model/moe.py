@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxlm.model import expert_parallel, experts
+from maxlm.model import expert_parallel, experts, impl as impl_lib
 from maxlm.model.mlp import Mlp
 
 
@@ -100,12 +100,16 @@ class _Experts(nn.Module):
 
 
 def _experts_fn(settings):
-  """experts_grouped, or the expert-parallel version when the mesh has an expert axis > 1."""
+  """experts_grouped, or the expert-parallel version when the mesh has an expert axis > 1; with
+  the grouped matmul of the settings' platform where it names one."""
   mesh = getattr(settings, "mesh", None)
   if mesh is not None and mesh.shape.get("expert", 1) > 1:
-    return functools.partial(expert_parallel.experts_sharded, mesh=mesh, batch_axes=
-                             expert_parallel.token_axes(settings.rules, mesh.axis_names))
-  return experts.experts_grouped
+    fn = functools.partial(expert_parallel.experts_sharded, mesh=mesh, batch_axes=
+                           expert_parallel.token_axes(settings.rules, mesh.axis_names))
+  else:
+    fn = experts.experts_grouped
+  platform = getattr(settings, "platform", None)
+  return functools.partial(fn, impl=impl_lib.grouped_impl(platform)) if platform else fn
 
 
 class MoeMlp(nn.Module):

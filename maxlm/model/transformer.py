@@ -19,8 +19,7 @@ from maxlm import MaxlmError
 from maxlm.model import layers as layers_lib, moe, rope as rope_lib
 from maxlm.model.dense import constrain, dense, init
 from maxlm.model.mlp import Mlp
-from maxlm.model.attention import attention, sparse as sparse_lib, sparse_context
-from maxlm.model.attention import decode as decode_attention, sparse_blocks
+from maxlm.model.attention import attention, decode as decode_attention
 from maxlm.model.indexer import Indexer
 
 _REMAT = {
@@ -68,60 +67,46 @@ class Attention(nn.Module):
     dt = jnp.dtype(c.dtype)
     out_std = c.init_std / (2 * c.n_layers) ** 0.5
     q = dense((c.n_heads, c.head_dim), -1, ("embed", "q_heads", "head_dim"), c.init_std, dt,
-               "query")(x_BxLxD)
+              "query")(x_BxLxD)
     k = dense((c.n_kv_heads, c.head_dim), -1, ("embed", "kv_heads", "head_dim"), c.init_std,
-               dt, "key")(x_BxLxD)
+              dt, "key")(x_BxLxD)
     v = dense((c.n_kv_heads, c.head_dim), -1, ("embed", "kv_heads", "head_dim"), c.init_std,
-               dt, "value")(x_BxLxD)
+              dt, "value")(x_BxLxD)
     q_BxLxHxD = constrain(rope_lib.apply(q, positions_BxL, s.rope),
                           ("batch", "length", "act_heads", None))
     k_BxLxKxD = constrain(rope_lib.apply(k, positions_BxL, s.rope),
                           ("batch", "length", "act_kv_heads", None))
     v_BxLxKxD = constrain(v, ("batch", "length", "act_kv_heads", None))
-    rules = s.rules or {}
     mode = s.sparse.mode if s.sparse is not None else "dense"
     if self.window and mode != "dense":
       raise MaxlmError(f"sparse attention (mode {mode}) has no sliding window: set "
                        "model.attention.window=0 or the stage's sparse.mode=dense")
-    cp = s.mesh is not None and s.mesh.shape.get("context", 1) > 1
-    if mode != "dense":  # the indexer's parameters exist from the first non-dense stage on
-      iq, iw, ik = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
+    index = None  # the indexer's parameters exist from the first non-dense stage on
+    if mode != "dense":
+      index = Indexer(c, s.sparse, s.rope, name="indexer")(x_BxLxD, positions_BxL)
     if self.decode:  # sampling attends densely over the cache
       out, peak = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL)
-    elif mode == "sparse" and cp:
-      out, peak, stats = sparse_context.sparse(
-          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, mesh=s.mesh,
-          batch_axes=tuple(rules.get("batch", ())) or None, topk=s.sparse.topk,
-          block=s.sparse.block, recall_blocks=s.sparse.recall_blocks)
-      self._sow(stats)
-    elif mode == "sparse" and s.sparse.select == "block":
-      out, peak, stats = sparse_blocks.sparse_blocks(
-          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
-          topk=s.sparse.topk, block=s.sparse.block, recall_blocks=s.sparse.recall_blocks)
-      self._sow(stats)
-    elif mode == "sparse":
-      out, peak, stats = sparse_lib.sparse(
-          q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, iq, iw, ik, segment_ids_BxL, segment_ids_BxL,
-          topk=s.sparse.topk, chunk=s.sparse.chunk)
-      self._sow(stats)
     else:
-      result = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
-                         block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
-                         batch_axes=tuple(rules.get("batch", ())) or None,
-                         head_axes=tuple(rules.get("act_heads", ())) or None,
-                         max_logit=c.max_logit, window=self.window, platform=s.platform)
-      out, peak = result if c.max_logit else (result, jnp.float32(jnp.nan))
-      if mode == "indexer_warmup" and cp:
-        self._sow(sparse_context.warmup(
-            q_BxLxHxD, k_BxLxKxD, iq, iw, ik, segment_ids_BxL, mesh=s.mesh,
-            batch_axes=tuple(rules.get("batch", ())) or None, topk=s.sparse.topk,
-            chunk=s.sparse.chunk))
-      elif mode == "indexer_warmup":
-        self._sow(sparse_lib.warmup(q_BxLxHxD, k_BxLxKxD, iq, iw, ik, segment_ids_BxL,
-                                    segment_ids_BxL, topk=s.sparse.topk, chunk=s.sparse.chunk))
+      out, peak = self._attend(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, index)
     out = constrain(out, ("batch", "length", "act_heads", None))
     y = dense(c.d_model, (-2, -1), ("q_heads", "head_dim", "embed"), out_std, dt, "out")(out)
     return y, peak
+
+  def _attend(self, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, index):
+    """(out, peak) of the stage's attention; an indexer stage's statistics are sown."""
+    c, s = self.cfg, self.settings
+    rules = s.rules or {}
+    result = attention(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, impl=s.impl,
+                       block_q=s.block_q, block_k=s.block_k, mesh=s.mesh,
+                       batch_axes=tuple(rules.get("batch", ())) or None,
+                       head_axes=tuple(rules.get("act_heads", ())) or None,
+                       max_logit=c.max_logit, window=self.window, platform=s.platform,
+                       sparse=s.sparse if index is not None else None, index=index)
+    if index is not None:
+      out, peak, stats = result
+      self._sow(stats)
+      return out, peak
+    return result if c.max_logit else (result, jnp.float32(jnp.nan))
 
   def _sow(self, stats):
     for name, value in stats.items():  # summed over layers by build.loss_fn

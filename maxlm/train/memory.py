@@ -53,7 +53,8 @@ PARTS = ("params", "optimizer", "gradients", "activations", "working", "attentio
 
 def estimate(config, s, n_devices, vocab, platform=None):
   """{part: bytes per device} for stage s of config on n_devices, and "total"."""
-  from maxlm.model import attention as attention_lib, build
+  import jax
+  from maxlm.model import build, impl as impl_lib
   from maxlm.model import expert_parallel
   stage, m = config.stages[s], config.model
   shape = dict(zip(config_lib.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, n_devices)))
@@ -74,7 +75,7 @@ def estimate(config, s, n_devices, vocab, platform=None):
            "dots": 2 * d + (h + 2 * k) * hd + 2 * f}[m.remat.replace("dots_no_batch", "dots")]
   saved += _routing(m) if m.remat != "full" else 0
   w_f, w_a, w_d = WORKING[m.remat]
-  impl = attention_lib.resolve(stage.attention, platform, stage.seq_len)
+  impl = impl_lib.attention_impl(stage.attention, platform or jax.default_backend(), stage.seq_len)
   scores = rows * h * length * stage.seq_len * 4 if impl == "reference" and shape[
       "context"] == 1 else 0
   kv = zigzag = 0

@@ -13,7 +13,7 @@ import optax
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import loader
-from maxlm.model import attention as attention_lib, build, moe_state
+from maxlm.model import build, impl as impl_lib, moe_state
 from maxlm.parallel import mesh as mesh_lib
 from maxlm.train import dpo, grpo, optimizer, schedule, step as step_lib
 
@@ -50,15 +50,7 @@ def validate(config):
       raise MaxlmError(f"stages.{i}.sparse: context parallelism (mesh context="
                        f"{shape['context']}) needs select=block with seq_len / (2 x context) "
                        f"a multiple of sparse.block={stage.sparse.block}")
-    impl = attention_lib.resolve(stage.attention, seq_len=stage.seq_len)
-    multiple = {"splash": 128, "gpu": 16}.get(impl)  # rows of any length are padded to a tile
-    if multiple and min(stage.block_q, 128 if impl == "gpu" else stage.block_q) % multiple:
-      raise MaxlmError(f"stages.{i}.block_q={stage.block_q}: the {impl} kernel's tiles must be "
-                       f"multiples of {multiple}")
-    backend = jax.default_backend()
-    if (impl, backend) in (("gpu", "cpu"), ("splash", "cpu")):
-      raise MaxlmError(f"stages.{i}.attention={impl} needs a {'GPU' if impl == 'gpu' else 'TPU'}"
-                       f"; this machine has only a CPU (set stages.{i}.attention=auto)")
+    impl_lib.choose(stage, jax.default_backend(), f"stages.{i}")
     data.rows_per_host(i, jax.process_count())
   return data, vocab
 

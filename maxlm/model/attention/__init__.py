@@ -20,8 +20,10 @@ skipping ones skip the blocks outside the window too, so a local layer costs O(L
 | gpu_mha       | GPU           | jax's Pallas-Triton `mha`, no skipping (`kernels.gpu`; bench)  |
 | auto          |               | per stage, from `auto_rule` (documents per row and length)     |
 
+Which runs where is maxlm/model/impl.py's rule (`attention_impl`; for a stage, `choose`).
+
 With a mesh whose `context` axis is larger than 1 the sequence is sharded (`context`).
-Stages with `sparse.mode: sparse` do not come here: the decoder calls `sparse_blocks` (DeepSeek
+The indexer stages come here too (`sparse`, `index`; `indexed.py`): `sparse_blocks` (DeepSeek
 sparse attention over top-k key blocks from a lightning indexer), `sparse` (top-k keys) or, under
 context parallelism, `sparse_context`.
 """
@@ -32,38 +34,40 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxlm import MaxlmError
-from maxlm.model.attention import (auto_rule, blockwise, context, kernels, reference,
+from maxlm.model import impl as impl_lib
+from maxlm.model.attention import (blockwise, context, indexed, kernels, reference,
                                    splash_segments, triton_segments)
-
-IMPLS = ("auto", "reference", "blockwise", "splash", "gpu", "splash_causal", "gpu_mha")
-
-
-def resolve(impl, platform=None, seq_len=None, docs_per_row=None):
-  """The implementation to run; `auto` follows `auto_rule.choose` for the stage's shape."""
-  platform = platform or jax.default_backend()
-  if impl == "auto":
-    return auto_rule.choose(platform, seq_len, docs_per_row)
-  if impl not in IMPLS:
-    raise MaxlmError(f"attention impl {impl!r}: expected one of {', '.join(IMPLS)}")
-  if impl in ("gpu", "gpu_mha") and platform not in ("gpu", "cpu"):
-    raise MaxlmError(f"attention impl 'gpu' needs a GPU; this job runs on {platform} "
-                     "(set stages.N.attention=auto)")
-  if impl in ("splash", "splash_causal") and platform not in ("tpu", "cpu"):
-    raise MaxlmError(f"attention impl 'splash' needs a TPU; this job runs on {platform} "
-                     "(set stages.N.attention=auto)")
-  return impl
-
 
 def attention(q, k, v, segment_ids, *, impl="auto", block_q=512, block_k=512, mesh=None,
               batch_axes=None, head_axes=None, max_logit=False, docs_per_row=None, window=0,
-              platform=None):
+              platform=None, sparse=None, index=None):
   """Returns out [B, L, H, D], and with max_logit=True also the largest visible logit.
   `platform` (cpu, tpu, gpu; default this process's backend) is where the step runs: it picks
-  `auto` and whether a Pallas kernel is interpreted (on a CPU) or compiled."""
+  `auto` and whether a Pallas kernel is interpreted (on a CPU) or compiled.
+
+  An indexer stage gives `sparse` (its config.SparseConfig, mode not dense) and `index` (the
+  indexer's iq, iw, ik) and gets (out, peak, stats): the peak is NaN where not computed."""
+  way = impl_lib.sparse_impl(sparse, mesh is not None and mesh.shape.get("context", 1) > 1)
+  if way == "dense":
+    return _dense(q, k, v, segment_ids, impl, block_q, block_k, mesh, batch_axes, head_axes,
+                  max_logit, docs_per_row, window, platform)
+  if way != "indexer_warmup":
+    return indexed.sparse(way, q, k, v, segment_ids, index, sparse, mesh=mesh,
+                          batch_axes=batch_axes)
+  result = _dense(q, k, v, segment_ids, impl, block_q, block_k, mesh, batch_axes, head_axes,
+                  max_logit, docs_per_row, window, platform)
+  out, peak = result if max_logit else (result, jnp.float32(jnp.nan))
+  return out, peak, indexed.warmup(q, k, segment_ids, index, sparse, mesh=mesh,
+                                   batch_axes=batch_axes)
+
+
+def _dense(q, k, v, segment_ids, impl, block_q, block_k, mesh, batch_axes, head_axes, max_logit,
+           docs_per_row, window, platform):
+  """Dense causal attention: out, and with max_logit also the largest visible logit."""
   if q.shape[2] % k.shape[2]:
     raise MaxlmError(f"attention: {k.shape[2]} KV heads do not divide {q.shape[2]} heads")
   platform = platform or jax.default_backend()
-  impl = resolve(impl, platform, seq_len=q.shape[1], docs_per_row=docs_per_row)
+  impl = impl_lib.attention_impl(impl, platform, seq_len=q.shape[1], docs_per_row=docs_per_row)
   if window and impl == "gpu_mha":
     raise MaxlmError("attention impl 'gpu_mha' has no sliding window; use impl=gpu for "
                      "model.attention.window > 0")
