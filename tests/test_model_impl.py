@@ -6,7 +6,7 @@ import pytest
 
 from maxlm import MaxlmError, config
 from maxlm.model import impl
-from maxlm.model.attention import auto_rule
+from maxlm.model import auto_rule
 
 
 def stage(**keys):

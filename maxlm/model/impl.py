@@ -16,7 +16,7 @@ import typing
 
 from maxlm import MaxlmError
 from maxlm.config import ATTENTION_IMPLS
-from maxlm.model.attention import auto_rule
+from maxlm.model import auto_rule
 
 PLATFORMS = ("cpu", "tpu", "gpu")
 _TILE = {"splash": 128, "gpu": 16}  # rows of any length are padded to a tile of these

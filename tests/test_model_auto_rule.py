@@ -1,10 +1,10 @@
-"""What `attention=auto` runs (maxlm/model/attention/auto_rule.py), per platform, length and
+"""What `attention=auto` runs (maxlm/model/auto_rule.py), per platform, length and
 documents per row, at the edges of its thresholds."""
 
 import pytest
 
 from maxlm.config import ATTENTION_IMPLS as IMPLS
-from maxlm.model.attention import auto_rule
+from maxlm.model import auto_rule
 
 
 def test_cpu_takes_the_dense_reference_up_to_its_threshold_then_blockwise():
