@@ -1,4 +1,4 @@
-"""The CPU side of `attention=auto` (maxlm/model/attention/auto_rule.py): forward+backward time
+"""The CPU side of `attention=auto` (maxlm/model/auto_rule.py): forward+backward time
 of `reference` vs `blockwise` by length and documents per row, side by side in one run, and the
 longest length at which reference still wins (CPU_REFERENCE_MAX_LEN).
 
