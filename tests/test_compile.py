@@ -49,20 +49,33 @@ def test_an_unknown_topology_is_one_line():
     target.devices(target.parse("tpu:v5e:3x3"))
 
 
-@pytest.mark.parametrize("attention", ["blockwise", "splash"])
-def test_a_stage_compiles_for_a_tpu_slice_and_reports(attention):
-  """The real XLA:TPU compiler (and Mosaic for splash) on a 4-chip v5e slice, batch over fsdp."""
+MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
+       "stages.0.attention=splash"]
+CASES = {"blockwise": ["stages.0.attention=blockwise"], "splash": ["stages.0.attention=splash"],
+         "splash-window": ["stages.0.attention=splash", "model.attention.window=128",
+                           "model.attention.global_every=2"],
+         "moe-megablox": MOE, "moe-expert2": [*MOE, "stages.0.mesh.fsdp=2",
+                                              "stages.0.mesh.expert=2"]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_stage_compiles_for_a_tpu_slice_and_reports(case):
+  """The real XLA:TPU compiler (and Mosaic for splash and megablox, each run per device in a
+  shard_map) on a 4-chip v5e slice, the batch over fsdp (and the experts over `expert`)."""
   pytest.importorskip("libtpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "maxlm.cli", "compile", "configs/demo.yaml", *TINY,
-       f"stages.0.attention={attention}", "--stage", "0",
-       "--target", "tpu:v5e:2x2", "--json"], capture_output=True, text=True, cwd=ROOT)
+      [sys.executable, "-m", "maxlm.cli", "compile", "configs/demo.yaml", *TINY, *CASES[case],
+       "--stage", "0", "--target", "tpu:v5e:2x2", "--json"], capture_output=True, text=True,
+      cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)
   (stage,) = out["stages"]
-  assert out["devices"] == 4 and stage["fits"] and stage["attention"] == attention
+  want = "blockwise" if case == "blockwise" else "splash"
+  assert out["devices"] == 4 and stage["fits"] and stage["attention"] == want
   c = stage["compiled"]
   assert c["total"] == c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"] > 0
   assert 0.5 < stage["estimate_total"] / c["total"] < 2
   assert stage["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the weights
+  if case == "moe-expert2":
+    assert stage["collectives"]["all-to-all"]["count"] > 0  # tokens sent to their experts
   assert stage["cost"]["flops"] > 0 and stage["compile_s"] > 0

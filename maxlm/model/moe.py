@@ -100,16 +100,18 @@ class _Experts(nn.Module):
 
 
 def _experts_fn(settings):
-  """experts_grouped, or the expert-parallel version when the mesh has an expert axis > 1; with
-  the grouped matmul of the settings' platform where it names one."""
+  """experts_grouped, or the expert-parallel version when the mesh splits the experts, or
+  splits the tokens while the grouped matmul is a Pallas kernel (megablox on TPU): XLA cannot
+  partition a kernel, so each device then sorts and multiplies its own tokens, as under expert
+  parallelism (with one expert shard: no exchange)."""
   mesh = getattr(settings, "mesh", None)
-  if mesh is not None and mesh.shape.get("expert", 1) > 1:
-    fn = functools.partial(expert_parallel.experts_sharded, mesh=mesh, batch_axes=
-                           expert_parallel.token_axes(settings.rules, mesh.axis_names))
-  else:
-    fn = experts.experts_grouped
-  platform = getattr(settings, "platform", None)
-  return functools.partial(fn, impl=impl_lib.grouped_impl(platform)) if platform else fn
+  impl = impl_lib.grouped_impl(getattr(settings, "platform", None) or jax.default_backend())
+  per_device = mesh is not None and (mesh.shape.get("expert", 1) > 1 or (
+      impl == "megablox" and mesh.devices.size > 1))
+  if per_device:
+    return functools.partial(expert_parallel.experts_sharded, impl=impl, mesh=mesh, batch_axes=
+                             expert_parallel.token_axes(settings.rules, mesh.axis_names))
+  return functools.partial(experts.experts_grouped, impl=impl)
 
 
 class MoeMlp(nn.Module):
