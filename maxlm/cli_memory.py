@@ -1,7 +1,8 @@
 """`maxlm memory CONFIG`: the per-device memory estimate of every stage, for the config's mesh
 (maxlm/train/memory.py), and with --compiled XLA's accounting of the compiled step beside it.
 Memory counts every parameter (all experts of an MoE model); the total and the active count
-(what a token goes through, which FLOPs count) are printed below the table."""
+(what a token goes through, which FLOPs count) are printed below the table. Tested as a user
+runs it (tests/test_train_memory.py: the table, --json and its refusals)."""
 
 import json
 

@@ -1,5 +1,8 @@
 """The commands that read a run dir: `maxlm eval`, `trace`, `generate`, `export` and `plot`
-and their arguments."""
+and their arguments. Tested as a user runs them (tests/test_train_trace.py: eval and trace;
+tests/test_interop.py: export and generate; tests/test_train_dpo.py and tests/test_hostile.py:
+generate and plot): each handler only joins argparse to the library, so a direct test would
+repeat those."""
 
 import json
 import sys
