@@ -140,7 +140,7 @@ def report_fields(stdout, stderr):
               "error": error}
     return {"status": "failed", "error": error}
   stage = report["stages"][0]
-  return {"status": "compiled", "stage_name": stage.get("stage"), "seq_len": stage.get("seq_len"),
+  return {"status": "compiled", "stage_name": stage.get("name"), "seq_len": stage.get("seq_len"),
           "chips": report.get("devices"),
           "chip_gib": round(stage["compiled"]["total"] / GIB, 2),
           "hbm_gib": round(stage["hbm_bytes"] / GIB, 2), "fits": bool(stage["fits"]),
