@@ -166,7 +166,7 @@ def test_no_completion_sees_another():
   other = {k: v.copy() for k, v in batch.items()}
   at = seg[0] == 1
   other["inputs"][0, at] = np.where(other["loss_mask"][0, at] == 1, 63, other["inputs"][0, at])
-  fn = jax.jit(lambda p, b: dpo._forward(model, p, b, cfg.rules, 64)[0])
+  fn = jax.jit(lambda p, b: dpo.forward(model, p, b, cfg.rules, 64)[0])
   with mesh:
     a = np.asarray(fn(state["params"], mesh_lib.place_batch(batch, mesh, cfg.rules)))
     b = np.asarray(fn(state["params"], mesh_lib.place_batch(other, mesh, cfg.rules)))

@@ -27,9 +27,9 @@ SCRIPT = """
 import itertools, json, sys, types
 from maxlm import config as config_lib
 from maxlm.parallel import peaks
-from maxlm.train import loop, metrics
+from maxlm.train import loop, metrics, planned
 clock = itertools.count()
-loop.time = types.SimpleNamespace(perf_counter=lambda: float(next(clock)))
+planned.time = types.SimpleNamespace(perf_counter=lambda: float(next(clock)))
 peaks.per_device = lambda dtype, device=None: (PEAK, "test")
 cfg = config_lib.load(sys.argv[1], sys.argv[2:])
 loop.train(cfg, log=lambda *_: None)
