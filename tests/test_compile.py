@@ -79,3 +79,18 @@ def test_a_stage_compiles_for_a_tpu_slice_and_reports(case):
   if case == "moe-expert2":
     assert stage["collectives"]["all-to-all"]["count"] > 0  # tokens sent to their experts
   assert stage["cost"]["flops"] > 0 and stage["compile_s"] > 0
+
+
+def test_a_step_larger_than_a_chip_is_a_verdict_not_a_crash():
+  """The compiler refuses it outright (RESOURCE_EXHAUSTED); the command exits 1 with the size
+  and the knobs, as for any stage that does not fit."""
+  pytest.importorskip("libtpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "maxlm.cli", "compile", "configs/demo.yaml", *TINY,
+       "model.size=1b", "model.remat=none", "stages.0.seq_len=8192", "stages.0.batch=64",
+       "stages.0.attention=reference", "--stage", "0", "--target", "tpu:v5e:2x2"],
+      capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "DOES NOT FIT" in proc.stdout and "internal error" not in proc.stderr
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith("stage ") and "does not fit" in line and "model.remat" in line

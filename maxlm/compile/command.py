@@ -65,8 +65,10 @@ def _speed(out, target, n_devices):
   if not seconds or not peak:
     return {}
   tokens = out["batch"] * out["seq_len"]
-  return {"model_step_s": seconds, "model_tokens_per_s": tokens / seconds,
-          "model_mfu": out["flops"]["analytic"] / seconds / (peak * n_devices)}
+  mfu = out["flops"]["analytic"] / seconds / (peak * n_devices)
+  if mfu > 1:  # the cost model counted a scanned layer loop once: no step time to quote
+    return {}
+  return {"model_step_s": seconds, "model_tokens_per_s": tokens / seconds, "model_mfu": mfu}
 
 
 def _gib(n):
@@ -77,7 +79,9 @@ def _line(r, target):
   c = r["compiled"]
   room = target.hbm_bytes - c["total"]
   verdict = (f"fits, {_gib(room)} GiB ({room / target.hbm_bytes:.0%}) free" if r["fits"] else
-             f"DOES NOT FIT by {_gib(-room)} GiB")
+             f"DOES NOT FIT by {_gib(-room)} GiB" + (" (the compiler refused it: its "
+                                                     "temporaries alone)" if c.get("refused")
+                                                     else ""))
   comms = ", ".join(f"{k} {v['count']}x {v['bytes'] / 2**20:.0f} MiB"
                     for k, v in r["collectives"].items() if v["count"]) or "none"
   speed = (f"; cost model {r['model_step_s'] * 1e3:.0f} ms a step, "

@@ -17,6 +17,10 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "f8e4m3fn": 1, "f8e5m2": 1}
 _OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+# XLA:TPU's refusal of a program larger than a chip, e.g. "Ran out of memory in memory space hbm.
+# ... the total memory required for HLO temporaries (104.87G) exceeds available HBM (95.74G)"
+_OOM = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \((\d+(?:\.\d+)?)([KMGT])\)", re.S)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def memory(compiled):
@@ -27,6 +31,17 @@ def memory(compiled):
          "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
   return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
           + out["temporaries"]}
+
+
+def out_of_memory(message):
+  """{"temporaries", "total"} bytes from the compiler's refusal of a step larger than a chip
+  (the temporaries it needed; the arguments are unknown then and counted 0), else None."""
+  m = _OOM.search(message)
+  if m is None:
+    return None
+  need = int(float(m[1]) * _UNITS[m[2]])
+  return {"arguments": 0, "outputs": 0, "aliased": 0, "temporaries": need, "total": need,
+          "refused": True}
 
 
 def shape_bytes(text):

@@ -26,14 +26,19 @@ def compile_stage(config, s, vocab, devices, platform):
   with mesh:
     lowered = jax.jit(step, donate_argnums=0).lower(
         state, *memory.step_inputs(config, s, mesh, state))
-    compiled = lowered.compile()
-  seconds = time.perf_counter() - t0
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      compiled, refused = None, report.out_of_memory(str(e))
+      if refused is None:
+        raise
   tokens = stage.batch * stage.seq_len
-  return {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
-          "batch": stage.batch, "objective": config.objective_for(s),
-          "attention": impl_lib.attention_impl(stage.attention, platform, stage.seq_len),
-          "compiled": report.memory(compiled),
-          "collectives": report.collectives(compiled.as_text()),
-          "cost": report.cost(compiled),
-          "flops": {"analytic": build.flops_per_token(model.cfg, stage.seq_len) * tokens},
-          "compile_s": round(seconds, 1)}
+  out = {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
+         "batch": stage.batch, "objective": config.objective_for(s),
+         "attention": impl_lib.attention_impl(stage.attention, platform, stage.seq_len),
+         "flops": {"analytic": build.flops_per_token(model.cfg, stage.seq_len) * tokens},
+         "compile_s": round(time.perf_counter() - t0, 1)}
+  if compiled is None:  # the compiler refused the step: it needs more than a chip holds
+    return {**out, "compiled": refused, "collectives": {}, "cost": {}}
+  return {**out, "compiled": report.memory(compiled),
+          "collectives": report.collectives(compiled.as_text()), "cost": report.cost(compiled)}
