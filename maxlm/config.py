@@ -382,6 +382,8 @@ def from_dict(raw):
     raw = {**raw, "model": {**MODEL_SIZES.get(size, {}), **model}}
   if isinstance(raw.get("init"), dict):
     raw = {**raw, "init": {_field_name(k): v for k, v in raw["init"].items()}}
+  if isinstance(raw.get("rules"), dict):  # `rules.embed=[fsdp]` changes that rule alone
+    raw = {**raw, "rules": {**DEFAULT_RULES, **raw["rules"]}}
   try:
     config = build(Config, raw)
   except ConfigError as e:

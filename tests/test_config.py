@@ -282,3 +282,15 @@ def test_a_retired_key_still_loads_with_a_warning_and_is_dropped(tmp_path):
   assert "eval_rows" not in config.to_dict(cfg)["train"]
   raw = {"stages": [{"seq_len": 32, "batch": 2, "steps": 1}], "train": {"eval_rows": 4}}
   assert config.to_dict(config.from_dict(raw)) == config.to_dict(cfg)
+
+
+def test_a_rules_override_changes_that_rule_alone(tmp_path):
+  """docs/config.md: "Set one with e.g. rules.mlp=[tensor]"; it replaced the whole table, so
+  every other logical axis was replicated."""
+  path = tmp_path / "c.yaml"
+  path.write_text("stages: [{seq_len: 32, batch: 2, steps: 1}]\nrules: {embed: [fsdp, context]}\n")
+  for cfg in (config.load(str(path)), config.load(str(path), ["rules.mlp=[tensor]"])):
+    assert cfg.rules["embed"] == ("fsdp", "context")
+    assert {k: v for k, v in cfg.rules.items() if k not in ("embed", "mlp")} == {
+        k: v for k, v in config.DEFAULT_RULES.items() if k not in ("embed", "mlp")}
+  assert config.load(str(path), ["rules.mlp=[tensor]"]).rules["mlp"] == ("tensor",)
