@@ -10,6 +10,7 @@ for is one line naming what to install.
 """
 
 import contextlib
+import importlib.util
 import os
 import re
 import typing
@@ -49,11 +50,9 @@ def devices(target):
   if target.platform == "gpu":
     raise MaxlmError(f"--target {target.name}: GPU targets are not compiled by this version "
                      "yet; compile for a TPU slice (tpu:...)")
-  try:
-    import libtpu  # noqa: F401 pylint: disable=unused-import (topologies needs it)
-  except ImportError:
+  if importlib.util.find_spec("libtpu") is None:  # the TPU compiler topologies loads
     raise MaxlmError(f"--target {target.name} needs the TPU compiler, which this install "
-                     f"lacks: {INSTALL}") from None
+                     f"lacks: {INSTALL}")
   # libtpu takes a host-wide lock for the chips it drives; compiling drives none, and two
   # compiles (or a test suite's workers) at once must not refuse each other
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
