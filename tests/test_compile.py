@@ -94,3 +94,13 @@ def test_a_step_larger_than_a_chip_is_a_verdict_not_a_crash():
   assert "DOES NOT FIT" in proc.stdout and "internal error" not in proc.stderr
   (line,) = proc.stderr.strip().splitlines()
   assert line.startswith("stage ") and "does not fit" in line and "model.remat" in line
+
+
+def test_without_the_tpu_compiler_the_target_is_one_line_naming_the_extra(monkeypatch):
+  real = target.importlib.util.find_spec
+  monkeypatch.setattr(target.importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(MaxlmError, match=r"needs the TPU compiler.*pip install -e '\.\[aot\]'"):
+    target.devices(target.parse("tpu:v5e:2x4"))
+  with pytest.raises(MaxlmError, match="GPU targets are not compiled by this version yet"):
+    target.devices(target.parse("gpu:h200:1x1x8"))
