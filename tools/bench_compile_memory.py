@@ -73,12 +73,16 @@ def main(argv=None):
   devices = target_lib.devices(target)
   rows = []
   for name in names:
-    row = measure(name, CASES[name], devices, target)
+    try:
+      row = measure(name, CASES[name], devices, target)
+    except Exception as e:  # noqa: BLE001 (one case's failure is its row, not the run's end)
+      row = {"case": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+      print(f"{name:<16} failed: {row['error']}", file=sys.stderr, flush=True)
+      continue
     rows.append(row)
-    if not args.json:
-      print(f"{name:<16} compiler {row['compiled_gib']:7.3f} GiB  estimate "
-            f"{row['estimate_gib']:7.3f} GiB  ratio {row['ratio']:.2f}  ({row['attention']}, "
-            f"{row['seconds']:.0f} s)", flush=True)
+    print(f"{name:<16} compiler {row['compiled_gib']:7.3f} GiB  estimate "
+          f"{row['estimate_gib']:7.3f} GiB  ratio {row['ratio']:.2f}  ({row['attention']}, "
+          f"{row['seconds']:.0f} s)", file=sys.stderr if args.json else sys.stdout, flush=True)
   worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
   summary = {"target": target.name, "cases": rows, "worst_ratio": worst["ratio"],
              "within_25": sum(0.75 <= r["ratio"] <= 1.25 for r in rows)}
