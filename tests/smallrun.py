@@ -32,8 +32,9 @@ def maxlm(*args, **kw):
                         capture_output=True, text=True, cwd=ROOT, **kw)
 
 
-def tiny_model():
-  """(cfg, mesh, model, params) of a tiny float32 model on one device."""
+def tiny_model(seq_len=32, seed=3):
+  """(cfg, mesh, model, params) of a tiny float32 model on one device, initialized from
+  `seed` for rows of `seq_len`."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from maxlm import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -43,7 +44,8 @@ def tiny_model():
   cfg = config_lib.from_dict({
       "model": {"size": "tiny", "vocab_size": 64, "dtype": "float32", "d_model": 32,
                 "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64},
-      "stages": [{"seq_len": 32, "batch": 1, "steps": 1, "attention": "reference"}]})
+      "stages": [{"seq_len": seq_len, "batch": 1, "steps": 1, "attention": "reference"}]})
   mesh = mesh_lib.make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1])
   model = build.model_for(cfg, 0, mesh)
-  return cfg, mesh, model, build.init_params(model, jax.random.key(3), mesh, cfg.rules, 32)
+  return cfg, mesh, model, build.init_params(model, jax.random.key(seed), mesh, cfg.rules,
+                                             seq_len)

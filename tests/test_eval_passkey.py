@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from maxlm import config as config_lib, io
-from maxlm.config import MeshConfig
 from maxlm.data import loader, store, tokenizer
 from maxlm.eval import generate, passkey, windows
-from maxlm.model import build
-from maxlm.parallel import mesh as mesh_lib
+
+from smallrun import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +96,7 @@ def test_the_grid_scores_each_cell_from_its_own_prompts(demo):
 
 
 def test_exact_retrieval_is_what_greedy_decoding_emits():
-  cfg = config_lib.from_dict({
-      "model": {"size": "tiny", "vocab_size": 64, "dtype": "float32", "d_model": 32,
-                "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "d_ff": 64},
-      "stages": [{"seq_len": 64, "batch": 1, "steps": 1, "attention": "reference"}]})
-  mesh = mesh_lib.make_mesh(MeshConfig(1, 1, 1, 1), jax.devices()[:1])
-  model = build.model_for(cfg, 0, mesh)
-  params = build.init_params(model, jax.random.key(5), mesh, cfg.rules, 64)
+  cfg, mesh, model, params = tiny_model(seq_len=64, seed=5)
   rng = np.random.default_rng(0)
   prompts = []
   for n in (20, 30):

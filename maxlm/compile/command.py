@@ -10,6 +10,7 @@ import json
 import sys
 
 from maxlm import MaxlmError, config as config_lib
+from maxlm.compile import target as target_lib
 
 FIXES = ("model.remat=full (keep only each layer's input)", "a smaller model.loss_chunk",
          "more fsdp ways (stages.N.mesh.fsdp)", "a smaller stages.N.batch or train.grad_accum")
@@ -27,7 +28,7 @@ def add_parser(sub, add_config):
 
 
 def cmd_compile(args):
-  from maxlm.compile import stage as compile_stage, target as target_lib
+  from maxlm.compile import stage as compile_stage  # jax: imported when the command runs
   from maxlm.train import memory
   cfg = config_lib.load(args.config, args.overrides)
   target = target_lib.parse(args.target)
@@ -59,7 +60,6 @@ def cmd_compile(args):
 
 def _speed(out, target, n_devices):
   """The cost model's step time and what it implies, where it has a sound one (TPU)."""
-  from maxlm.compile import target as target_lib
   seconds = out["cost"].get("optimal_seconds")
   peak = target_lib.TPU_PEAK_BF16.get(target.chip)
   if not seconds or not peak:

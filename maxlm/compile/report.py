@@ -1,6 +1,6 @@
-"""What a compiled step says about itself: bytes a device (the compiler's memory accounting),
-the collectives in the optimized module (count and bytes by kind), and on TPU the cost model's
-FLOPs and step time.
+"""What a compiled step says about itself beyond its bytes a device (maxlm/train/memory.py
+`compiled_bytes`, shared with `maxlm memory --compiled`): the collectives in the optimized
+module (count and bytes by kind), and on TPU the cost model's FLOPs and step time.
 
 Collectives are read from the optimized HLO text, one instruction a line: an `all-gather`,
 `reduce-scatter`, `all-reduce`, `all-to-all` or `collective-permute` (their `-start` forms
@@ -21,16 +21,6 @@ _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 # ... the total memory required for HLO temporaries (104.87G) exceeds available HBM (95.74G)"
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?temporaries \((\d+(?:\.\d+)?)([KMGT])\)", re.S)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def memory(compiled):
-  """{arguments, outputs, aliased, temporaries, total} bytes a device; total = arguments +
-  outputs not aliased to a donated argument + temporaries."""
-  stats = compiled.memory_analysis()
-  out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
-         "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
-  return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
-          + out["temporaries"]}
 
 
 def out_of_memory(message):

@@ -9,29 +9,21 @@ import jax
 
 from maxlm.compile import report
 from maxlm.model import build, impl as impl_lib
-from maxlm.train import memory, stage as stage_lib, step as step_lib
+from maxlm.train import memory
 
 
 def compile_stage(config, s, vocab, devices, platform):
   """{"stage", "seq_len", "compiled", "collectives", "cost", "flops", "compile_s", ...} of
   stage s compiled for `devices` of `platform`."""
   stage = config.stages[s]
-  mesh, model, opt, step, shardings = stage_lib.unjitted(config, s, vocab, devices,
-                                                         platform=platform)
-  state = jax.tree_util.tree_map(
-      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-      jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
-                                                          stage.seq_len)), shardings)
   t0 = time.perf_counter()
-  with mesh:
-    lowered = jax.jit(step, donate_argnums=0).lower(
-        state, *memory.step_inputs(config, s, mesh, state))
-    try:
-      compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-      compiled, refused = None, report.out_of_memory(str(e))
-      if refused is None:
-        raise
+  lowered, model = memory.lower(config, s, vocab, devices, platform)
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    compiled, refused = None, report.out_of_memory(str(e))
+    if refused is None:
+      raise
   tokens = stage.batch * stage.seq_len
   out = {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
          "batch": stage.batch, "objective": config.objective_for(s),
@@ -40,5 +32,5 @@ def compile_stage(config, s, vocab, devices, platform):
          "compile_s": round(time.perf_counter() - t0, 1)}
   if compiled is None:  # the compiler refused the step: it needs more than a chip holds
     return {**out, "compiled": refused, "collectives": {}, "cost": {}}
-  return {**out, "compiled": report.memory(compiled),
+  return {**out, "compiled": memory.compiled_bytes(compiled),
           "collectives": report.collectives(compiled.as_text()), "cost": report.cost(compiled)}

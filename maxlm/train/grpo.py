@@ -104,6 +104,7 @@ class Stage:
     self.config, self.cfg, self.data, self.parts = config, config.train.grpo, data, parts
     self.update, self.ref, self.run_dir, self.log = update, ref_params, run_dir, log
     self.s, self.stage = s, config.stages[s]
+    self.offset = schedule.Schedule(config).offset(s)  # global step of the stage's step 0
     self.sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
     self.special = data.special
     self.prompts = rollouts.read_prompts(config.data.dir, config.mix_for(s))
@@ -128,7 +129,7 @@ class Stage:
 
   def step(self, state, k, consumed, read_now=True):
     cfg, t0, s = self.cfg, time.perf_counter(), self.s
-    g = schedule.Schedule(self.config).offset(s) + k
+    g = self.offset + k
     idx = rollouts.step_prompts(len(self.prompts), cfg.prompts, self.config.seed, s, k)
     prompts = [self.prompts[i] for i in idx]
     completions, texts = self.sample(state["params"], [self.ids[i] for i in idx],

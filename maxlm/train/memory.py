@@ -139,24 +139,35 @@ def holds_reference(config, s):
 
 def compiled(config, s, n_devices, vocab):
   """XLA's accounting of stage s's compiled train step, for the stage's objective (the one
-  maxlm/train/stage.py builds), on the first n_devices devices: {arguments, outputs, aliased,
-  temporaries, total} bytes a device, total = arguments + outputs not aliased to the donated
-  state + temporaries."""
+  maxlm/train/stage.py builds), on the first n_devices devices (`compiled_bytes`)."""
   import jax
-  from maxlm.train import stage as stage_lib, step as step_lib
   if n_devices > len(jax.devices()):
     raise MaxlmError(f"--devices {n_devices}: this machine has {len(jax.devices())} "
                      "(on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N fakes more)")
-  stage = config.stages[s]
-  mesh, model, opt, step, shardings = stage_lib.unjitted(config, s, vocab,
-                                                         jax.devices()[:n_devices])
+  lowered, _ = lower(config, s, vocab, jax.devices()[:n_devices])
+  return compiled_bytes(lowered.compile())
+
+
+def lower(config, s, vocab, devices, platform=None):
+  """(stage s's train step lowered for `devices` of `platform` from abstract arguments, its
+  model): nothing is allocated; `maxlm compile` and `compiled` compile it."""
+  import jax
+  from maxlm.train import stage as stage_lib, step as step_lib
+  seq_len = config.stages[s].seq_len
+  mesh, model, opt, step, shardings = stage_lib.unjitted(config, s, vocab, devices, platform)
   state = jax.tree_util.tree_map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-      jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed,
-                                                          stage.seq_len)), shardings)
-  step = jax.jit(step, donate_argnums=0)
+      jax.eval_shape(lambda: step_lib.init_state_abstract(model, opt, config.seed, seq_len)),
+      shardings)
   with mesh:
-    stats = step.lower(state, *step_inputs(config, s, mesh, state)).compile().memory_analysis()
+    return jax.jit(step, donate_argnums=0).lower(
+        state, *step_inputs(config, s, mesh, state)), model
+
+
+def compiled_bytes(executable):
+  """{arguments, outputs, aliased, temporaries, total} bytes a device of a compiled step;
+  total = arguments + outputs not aliased to the donated state + temporaries."""
+  stats = executable.memory_analysis()
   out = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
          "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
   return {**out, "total": out["arguments"] + out["outputs"] - out["aliased"]
