@@ -16,6 +16,7 @@ import re
 import typing
 
 from maxlm import MaxlmError
+from maxlm.compile import gpu_spec
 
 GIB = 2 ** 30
 HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB,
@@ -48,8 +49,7 @@ def parse(text):
 def devices(target):
   """The target's devices, in the topology's order."""
   if target.platform == "gpu":
-    raise MaxlmError(f"--target {target.name}: GPU targets are not compiled by this version "
-                     "yet; compile for a TPU slice (tpu:...)")
+    return _gpu_devices(target)
   if importlib.util.find_spec("libtpu") is None:  # the TPU compiler topologies loads
     raise MaxlmError(f"--target {target.name} needs the TPU compiler, which this install "
                      f"lacks: {INSTALL}")
@@ -63,6 +63,21 @@ def devices(target):
     except Exception as e:  # noqa: BLE001 (libtpu's words for a topology it does not know)
       raise MaxlmError(f"--target {target.name}: libtpu has no topology {target.topology!r} "
                        f"({str(e).splitlines()[0][:160]})") from None
+  return list(topo.devices)
+
+
+def _gpu_devices(target):
+  """A GPU node's devices from the CUDA plugin, described by maxlm/compile/gpu_spec.py."""
+  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    raise MaxlmError(f"--target {target.name} needs the GPU compiler (the CUDA plugin), which "
+                     f"this install lacks: {INSTALL}")
+  from jax.experimental import topologies
+  try:
+    topo = topologies.get_topology_desc(platform="cuda", topology=target.topology,
+                                        target_config=gpu_spec.target_config(target.chip))
+  except Exception as e:  # noqa: BLE001 (the plugin's words for what it cannot build)
+    raise MaxlmError(f"--target {target.name}: the CUDA plugin cannot describe "
+                     f"{target.topology!r} ({str(e).splitlines()[0][:160]})") from None
   return list(topo.devices)
 
 
