@@ -24,10 +24,12 @@ settings.register_profile("maxlm", derandomize=True, deadline=None, print_blob=T
 settings.load_profile("maxlm")
 
 # The libraries our checks against outside references need (the hf, quality-check and aot
-# extras: libtpu is the TPU compiler tests/test_compile.py compiles with).
+# extras: libtpu and the CUDA plugin, xla_cuda12, are the compilers tests/test_compile*.py
+# compile with).
 # With MAXLM_REQUIRE_REFERENCES=1 (.ci/run, the README's test command) a test that skips for
 # want of one fails instead: a missing extra must not turn those checks green unseen.
-REFERENCES = ("torch", "transformers", "datatrove", "datasketch", "spacy", "libtpu")
+REFERENCES = ("torch", "transformers", "datatrove", "datasketch", "spacy", "libtpu",
+              "xla_cuda12")
 
 
 def _reference_skip(report):

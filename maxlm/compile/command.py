@@ -87,10 +87,16 @@ def _line(r, target):
   speed = (f"; cost model {r['model_step_s'] * 1e3:.0f} ms a step, "
            f"{r['model_tokens_per_s']:,.0f} tokens/s, MFU {r['model_mfu']:.0%} (the compiler's "
            "estimate)" if "model_step_s" in r else "")
+  kernels = f"attention {r['attention']}" + (f", {r['sparse']}" if r["sparse"] != "dense"
+                                              else "") + (f", experts {r['grouped']}"
+                                                          if r["grouped"] else "")
+  flops = f"{r['flops']['analytic'] / 1e12:.1f} TFLOP a step (analytic)" + (
+      f", the compiler counts {r['cost']['flops'] / 1e12:.1f} a device"
+      if r["cost"].get("flops") else "")
   return (f"stage {r['name']} (L={r['seq_len']}, batch {r['batch']}, {r['objective']}, "
-          f"attention {r['attention']}): {_gib(c['total'])} GiB a chip of "
+          f"{kernels}): {_gib(c['total'])} GiB a chip of "
           f"{_gib(target.hbm_bytes)} — {verdict}; estimate {_gib(r['estimate_total'])} GiB "
           f"({r['estimate_total'] / c['total']:.2f}x); arguments {_gib(c['arguments'])}, "
           f"temporaries {_gib(c['temporaries'])}; collectives: {comms}; "
-          f"{r['flops']['analytic'] / 1e12:.1f} TFLOP a step (analytic){speed}; compiled in "
+          f"{flops}{speed}; compiled in "
           f"{r['compile_s']:.0f} s")

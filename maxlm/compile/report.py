@@ -1,6 +1,7 @@
 """What a compiled step says about itself beyond its bytes a device (maxlm/train/memory.py
 `compiled_bytes`, shared with `maxlm memory --compiled`): the collectives in the optimized
-module (count and bytes by kind), and on TPU the cost model's FLOPs and step time.
+module (count and bytes by kind), and the FLOPs a device (on TPU with the cost model's step
+time).
 
 Collectives are read from the optimized HLO text, one instruction a line: an `all-gather`,
 `reduce-scatter`, `all-reduce`, `all-to-all` or `collective-permute` (their `-start` forms
@@ -57,14 +58,17 @@ def collectives(hlo_text):
 
 
 def cost(compiled):
-  """{"flops", "bytes_accessed", "optimal_seconds"} from XLA's cost model, where it has one
-  (TPU), with a negative or missing time dropped; else {}."""
+  """{"flops", "bytes_accessed", "optimal_seconds"} a device from XLA's cost model, where it has
+  one (TPU), with a negative or missing time dropped; on GPU, whose plugin has no cost model,
+  the flops and bytes XLA's HLO cost analysis counts in the optimized module; else {}."""
   try:
     analysis = compiled.cost_analysis()
   except Exception:  # noqa: BLE001 (GPU: "GetCostAnalysis is not supported")
-    return {}
+    analysis = None
   if isinstance(analysis, list):
     analysis = analysis[0] if analysis else None
+  if not analysis:
+    analysis = _module_cost(compiled)
   if not analysis:
     return {}
   out = {"flops": analysis.get("flops"), "bytes_accessed": analysis.get("bytes accessed")}
@@ -72,3 +76,15 @@ def cost(compiled):
   if seconds is not None and seconds > 0:
     out["optimal_seconds"] = seconds
   return {k: v for k, v in out.items() if v is not None}
+
+
+def _module_cost(compiled):
+  """XLA's HLO cost analysis of the optimized module, run by the CPU client (jax exposes it only
+  privately; None where this jax lacks it)."""
+  try:
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+    (module, *_) = compiled.runtime_executable().hlo_modules()
+    return _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+  except Exception:  # noqa: BLE001 (a private API: its absence costs the count, not the compile)
+    return None

@@ -25,9 +25,11 @@ def compile_stage(config, s, vocab, devices, platform):
     if refused is None:
       raise
   tokens = stage.batch * stage.seq_len
+  choice = impl_lib.choose(stage, platform, f"stages.{s}")
   out = {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
          "batch": stage.batch, "objective": config.objective_for(s),
-         "attention": impl_lib.attention_impl(stage.attention, platform, stage.seq_len),
+         "attention": choice.attention, "sparse": choice.sparse,
+         "grouped": choice.grouped if config.model.moe.experts else None,
          "flops": {"analytic": build.flops_per_token(model.cfg, stage.seq_len) * tokens},
          "compile_s": round(time.perf_counter() - t0, 1)}
   if compiled is None:  # the compiler refused the step: it needs more than a chip holds

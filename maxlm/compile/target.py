@@ -4,8 +4,9 @@ compiles for without having them.
   tpu:<topology>                          libtpu's names: v5e:2x4, v5p:4x4x4, v6e:4x4, v4:2x2x1
   gpu:<h100|h200>:<partitions>x<hosts>x<gpus>   e.g. gpu:h200:1x1x8
 
-TPU slices come from `jax.experimental.topologies` with libtpu installed (the `aot` extra); the
-chips' memory is each generation's published HBM a chip. A target this install cannot compile
+TPU slices come from `jax.experimental.topologies` with libtpu installed, GPU nodes from the
+same with the CUDA plugin and a description of the GPU we write (maxlm/compile/gpu_spec.py);
+both come with the `aot` extra. A chip's memory is its generation's published HBM. A target this install cannot compile
 for is one line naming what to install.
 """
 
@@ -76,6 +77,9 @@ def _gpu_devices(target):
     topo = topologies.get_topology_desc(platform="cuda", topology=target.topology,
                                         target_config=gpu_spec.target_config(target.chip))
   except Exception as e:  # noqa: BLE001 (the plugin's words for what it cannot build)
+    if "not implemented for cuda" in str(e):  # jax started its CUDA backend, not the CPU's
+      raise MaxlmError(f"--target {target.name}: jax was started for a GPU this host lacks; "
+                       "set JAX_PLATFORMS=cpu (maxlm sets it when imported before jax)") from None
     raise MaxlmError(f"--target {target.name}: the CUDA plugin cannot describe "
                      f"{target.topology!r} ({str(e).splitlines()[0][:160]})") from None
   return list(topo.devices)
