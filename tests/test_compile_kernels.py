@@ -85,7 +85,7 @@ def test_ragged_dot_compiles_for_h200(gpu_devices):
   fusion), not a dense product per expert, and the gradients compile. (The experts' gradient
   is not so lean: XLA:GPU masks the rows once per expert, an [experts, rows, out] buffer;
   docs/performance.md.)"""
-  hlo = _grouped_grads(gpu_devices[0], "ragged_dot")
+  hlo = _grouped_grads(gpu_devices[0], "ragged_dot_tiles")
   forward = [line for line in hlo.splitlines() if "gemm_fusion" in line and " fusion(" in line
              and "jvp()/ragged_dot" in line and "transpose(" not in line]
   assert len(forward) == 1 and "bf16[2048,1024]" in forward[0]

@@ -52,7 +52,7 @@ def test_auto_picks_what_auto_rule_did(platform, seq_len):
   s = dataclasses.replace(stage(), seq_len=seq_len, block_q=128)
   choice = impl.choose(s, platform)
   assert choice.attention == auto_rule.choose(platform, seq_len)
-  assert choice.grouped == {"cpu": "tiled", "tpu": "megablox", "gpu": "ragged_dot"}[platform]
+  assert choice.grouped == {"cpu": "tiled", "tpu": "megablox", "gpu": "ragged_dot_tiles"}[platform]
   assert choice.interpret == (platform == "cpu") and choice.sparse == "dense"
 
 

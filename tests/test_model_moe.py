@@ -198,7 +198,7 @@ def test_aux_loss_counts_imbalance():
 
 
 @pytest.mark.parametrize("sizes", [[30, 0, 41, 7, 0, 2], [0, 0, 80, 0, 0, 0], [1] * 6])
-@pytest.mark.parametrize("impl", ["tiled", "megablox_interpret"])
+@pytest.mark.parametrize("impl", ["tiled", "megablox_interpret", "ragged_dot_tiles"])
 def test_grouped_matmul_equals_ragged_dot(impl, sizes):
   m, k, n = 96, 24, 40  # rows past sum(sizes) must come out 0
   lhs = jax.random.normal(jax.random.key(0), (m, k))

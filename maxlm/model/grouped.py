@@ -5,7 +5,12 @@ maxlm/model/impl.py's rule for the backend:
 
   megablox    TPU: the Pallas kernel jax ships (jax.experimental.pallas.ops.tpu.megablox);
               `megablox_interpret` runs it on CPU for tests
-  ragged_dot  GPU: jax.lax.ragged_dot
+  ragged_dot_tiles  GPU: jax.lax.ragged_dot forward and for the rows' gradient; the experts'
+              gradient tile by tile as `tiled` does. XLA:GPU (jax 0.10.2) expands ragged_dot's
+              own experts' gradient into a mask per expert, an [experts, rows, out] buffer: the
+              150M MoE of tools/bench_compile_memory.py on 8 H200s needed 23.0 GiB a GPU
+              with it, 12.4 without (3.1 with each device's own tokens, maxlm/model/moe.py).
+  ragged_dot  jax.lax.ragged_dot and its own gradients, the reference the others are tested to
   tiled       CPU: our own. XLA:CPU lowers ragged_dot to one dense matmul per group over all
               rows, G times the work (tools/bench_moe_layer.py measures both). Here each group
               is padded to whole tiles of rows, so every tile belongs to one group, and a scan
@@ -13,12 +18,14 @@ maxlm/model/impl.py's rule for the backend:
               accumulated per tile in place) - about one dense matmul plus G tiles of padding.
 """
 
+import typing
+
 import jax
 import jax.numpy as jnp
 
 from maxlm.model import impl as impl_lib
 
-IMPLS = ("tiled", "ragged_dot", "megablox", "megablox_interpret")
+IMPLS = ("tiled", "ragged_dot", "ragged_dot_tiles", "megablox", "megablox_interpret")
 _MEGABLOX_TILE_M = 128
 _MAX_TILE = 128
 
@@ -33,6 +40,8 @@ def matmul(lhs_MxK, rhs_GxKxN, sizes_G, impl=None):
   impl = impl or default_impl()
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(lhs_MxK, rhs_GxKxN, sizes_G)
+  if impl == "ragged_dot_tiles":
+    return _ragged(lhs_MxK, rhs_GxKxN, sizes_G.astype(jnp.int32))
   if impl == "tiled":
     return _tiled(lhs_MxK, rhs_GxKxN, sizes_G)
   if impl not in IMPLS:
@@ -56,9 +65,16 @@ def _tile_rows(m, g):
   return min(_MAX_TILE, max(8, 1 << (per_group - 1).bit_length()))
 
 
-def _tiled(lhs_MxK, rhs_GxKxN, sizes_G):
-  m, k = lhs_MxK.shape
-  g, _, n = rhs_GxKxN.shape
+class _Tiles(typing.NamedTuple):
+  """Where each row goes when every group is padded to whole tiles of `tile` rows."""
+  tile: int
+  padded: int  # n_tiles x tile
+  dest_M: jax.Array  # a row's place among the padded rows (`padded` for rows past every group)
+  group_M: jax.Array  # a row's group (g past every group)
+  group_N: jax.Array  # a tile's group
+
+
+def _tiles(m, g, sizes_G):
   tile = _tile_rows(m, g)
   n_tiles = -(-m // tile) + g  # each group wastes less than one tile
   padded = n_tiles * tile
@@ -71,12 +87,48 @@ def _tiled(lhs_MxK, rhs_GxKxN, sizes_G):
   clipped_M = jnp.minimum(group_M, g - 1)
   dest_M = jnp.where(group_M < g, (tile_end_G - tiles_G)[clipped_M] * tile + row_M
                      - (end_G - sizes_G)[clipped_M], padded)
-  x_PxK = jnp.zeros((padded, k), lhs_MxK.dtype).at[dest_M].set(lhs_MxK, mode="drop")
   group_N = jnp.minimum(jnp.searchsorted(tile_end_G, jnp.arange(n_tiles), side="right"), g - 1)
-  y_NxTxN = _tile_matmul(x_PxK.reshape(n_tiles, tile, k), rhs_GxKxN.astype(lhs_MxK.dtype),
-                         group_N)
-  y_PxN = y_NxTxN.reshape(padded, n)
-  return jnp.where((group_M < g)[:, None], y_PxN[jnp.minimum(dest_M, padded - 1)], 0)
+  return _Tiles(tile, padded, dest_M, group_M, group_N)
+
+
+def _to_tiles(x_MxK, t):
+  x_PxK = jnp.zeros((t.padded, x_MxK.shape[1]), x_MxK.dtype).at[t.dest_M].set(x_MxK, mode="drop")
+  return x_PxK.reshape(t.padded // t.tile, t.tile, x_MxK.shape[1])
+
+
+def _tiled(lhs_MxK, rhs_GxKxN, sizes_G):
+  m, n = lhs_MxK.shape[0], rhs_GxKxN.shape[2]
+  t = _tiles(m, rhs_GxKxN.shape[0], sizes_G)
+  y_NxTxN = _tile_matmul(_to_tiles(lhs_MxK, t), rhs_GxKxN.astype(lhs_MxK.dtype), t.group_N)
+  y_PxN = y_NxTxN.reshape(t.padded, n)
+  return jnp.where((t.group_M < rhs_GxKxN.shape[0])[:, None],
+                   y_PxN[jnp.minimum(t.dest_M, t.padded - 1)], 0)
+
+
+@jax.custom_vjp
+def _ragged(lhs_MxK, rhs_GxKxN, sizes_G):
+  return jax.lax.ragged_dot(lhs_MxK, rhs_GxKxN, sizes_G)
+
+
+def _ragged_fwd(lhs_MxK, rhs_GxKxN, sizes_G):
+  return _ragged(lhs_MxK, rhs_GxKxN, sizes_G), (lhs_MxK, rhs_GxKxN, sizes_G)
+
+
+def _ragged_bwd(saved, dy_MxN):
+  lhs_MxK, rhs_GxKxN, sizes_G = saved
+  dlhs = jax.lax.ragged_dot(dy_MxN, jnp.swapaxes(rhs_GxKxN, 1, 2), sizes_G)  # 0 past the groups
+  t = _tiles(lhs_MxK.shape[0], rhs_GxKxN.shape[0], sizes_G)
+
+  def body(drhs_GxKxN, tile):
+    x_TxK, dy_TxN, g = tile
+    return drhs_GxKxN.at[g].add(x_TxK.T.astype(jnp.float32) @ dy_TxN.astype(jnp.float32)), None
+
+  drhs, _ = jax.lax.scan(body, jnp.zeros(rhs_GxKxN.shape, jnp.float32),
+                         (_to_tiles(lhs_MxK, t), _to_tiles(dy_MxN, t), t.group_N))
+  return dlhs, drhs.astype(rhs_GxKxN.dtype), None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 @jax.custom_vjp

@@ -26,7 +26,7 @@ _PALLAS = ("splash", "gpu", "splash_causal", "gpu_mha")
 class Choice(typing.NamedTuple):
   attention: str  # reference | blockwise | splash | gpu | splash_causal | gpu_mha
   sparse: str  # dense | indexer_warmup | tokens | blocks | context (sparse_impl)
-  grouped: str  # MoE's grouped matmul: tiled | ragged_dot | megablox
+  grouped: str  # MoE's grouped matmul: tiled | ragged_dot_tiles | megablox
   interpret: bool  # Pallas kernels interpreted (a CPU) rather than compiled
 
 
@@ -59,7 +59,7 @@ def sparse_impl(sparse, context_parallel):
 
 def grouped_impl(platform):
   """MoE's grouped matmul (maxlm/model/grouped.py) on `platform`."""
-  return {"tpu": "megablox", "cpu": "tiled"}.get(platform, "ragged_dot")
+  return {"tpu": "megablox", "cpu": "tiled", "gpu": "ragged_dot_tiles"}[platform]
 
 
 def choose(stage, platform, where="stage"):

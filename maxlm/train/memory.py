@@ -10,14 +10,17 @@ device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
                dtype: `none` every intermediate, 7D + 3(h + k)hd + 5F a position; `full` the
                layer's input, D; `dots` / `dots_no_batch` the matmul outputs, 2D + (h+2k)hd + 2F;
   working      the backward pass's live set for one layer (recomputed first under remat), in
-               float32: W_F F + W_A (h + k)hd + W_D D a position, the W fitted per policy
-               to XLA's accounting (below), plus under fsdp one layer's gathered weights;
+               elements W_F F + W_A (h + k)hd + W_D D a position, the W fitted per policy
+               to XLA's accounting (below), of `FIT`'s bytes an element for the platform (4
+               on a CPU, 3 on TPU and GPU: the compilers keep part in the compute dtype),
+               plus under fsdp one layer's gathered weights;
   attention    temporaries beyond that: `reference` attention's [rows, h, L, L] float32 scores
                (kept per layer under remat none); under context parallelism the all-gathered K
                and V, and q, k, v and the output (and their gradients) at full length, which
                the zigzag permutation of the sequence (attention/context.py) makes;
                the tiled implementations' O(L x tile) blocks are within `working`;
-  logits       the loss's chunk of float32 logits [rows, loss_chunk, vocab] (three live copies)
+  logits       the loss's chunk of float32 logits [rows, loss_chunk, vocab] (`FIT`'s copies: 3
+               on a CPU, 2 on TPU and GPU)
                and d(hidden) [N, D]; it peaks at another moment than `working` + `attention`, so
                the total counts the larger of the two.
 Stages whose objective holds a frozen reference model (dpo; grpo with beta > 0) add a float32
@@ -30,13 +33,15 @@ MFU count only the active parameters instead (maxlm/model/build.py); `param_coun
 Sparse-attention stages' indexer is not counted.
 
 The check: `tools/bench_memory.py` compiles the train step on fake CPU devices for sizes, remat
-policies and fsdp / tensor / context splits and compares (docs/performance.md states the worst
-ratio; tests/test_train_memory.py holds a few cases within 25%). XLA on CPU, float32 models:
-an accelerator's compiler fuses and schedules differently, so leave headroom (tests/test_launch.py
-asks the shipped configs to fit in 75% of a device).
+policies and fsdp / tensor / context splits and compares (tests/test_train_memory.py holds a few
+cases within 25%); `tools/bench_compile_memory.py` does the same against the real TPU and GPU
+compilers (maxlm/compile/) on 15 cases each, and `--fit` refits `FIT` for one (docs/performance.md
+states the ratios). `maxlm compile` is the word where they disagree; leave headroom
+(tests/test_launch.py asks the shipped configs to fit in 75% of a device).
 """
 
 import math
+import typing
 
 import numpy as np
 
@@ -47,7 +52,18 @@ from maxlm.parallel import mesh as mesh_lib
 # policy, fitted to XLA's accounting by tools/bench_memory.py
 WORKING = {"none": (10.0, 2.0, 6.0), "full": (9.0, 4.0, 9.0), "dots": (8.0, 4.0, 4.0),
            "dots_no_batch": (8.0, 4.0, 4.0)}
-LOGIT_COPIES = 3
+
+
+class Fit(typing.NamedTuple):
+  working_bytes: float  # bytes an element of the backward pass's live set
+  logit_copies: int  # float32 copies of the loss's logits chunk live at its peak
+
+
+# what each compiler keeps, fitted to its accounting over the same cases: XLA:CPU by
+# tools/bench_memory.py (it computes in float32); XLA:TPU and XLA:GPU by
+# tools/bench_compile_memory.py --fit, which keep part of the live set in the compute dtype and
+# fewer copies of the logits
+FIT = {"cpu": Fit(4.0, 3), "tpu": Fit(3.0, 2), "gpu": Fit(3.0, 2)}
 PARTS = ("params", "optimizer", "gradients", "activations", "working", "attention", "logits")
 
 
@@ -75,7 +91,9 @@ def estimate(config, s, n_devices, vocab, platform=None):
            "dots": 2 * d + (h + 2 * k) * hd + 2 * f}[m.remat.replace("dots_no_batch", "dots")]
   saved += _routing(m) if m.remat != "full" else 0
   w_f, w_a, w_d = WORKING[m.remat]
-  impl = impl_lib.attention_impl(stage.attention, platform or jax.default_backend(), stage.seq_len)
+  platform = platform or jax.default_backend()
+  fit = FIT[platform]
+  impl = impl_lib.attention_impl(stage.attention, platform, stage.seq_len)
   scores = rows * h * length * stage.seq_len * 4 if impl == "reference" and shape[
       "context"] == 1 else 0
   kv = zigzag = 0
@@ -87,10 +105,11 @@ def estimate(config, s, n_devices, vocab, platform=None):
   parts = {"params": 4 * count * copies, "optimizer": 8 * count,
            "gradients": 4 * count * (2 if config.train.grad_accum > 1 else 1),
            "activations": m.n_layers * (n * saved * cdt + kept),
-           "working": n * (w_f * f + w_a * (h + k) * hd + w_d * d) * 4 + 4 * layer_weights,
+           "working": (n * (w_f * f + w_a * (h + k) * hd + w_d * d) * fit.working_bytes
+                       + 4 * layer_weights),
            "attention": scores + kv + zigzag,
-           "logits": (LOGIT_COPIES * rows * min(m.loss_chunk, length) * vocab / ways("act_vocab")
-                      * 4 + n * d * cdt)}
+           "logits": (fit.logit_copies * rows * min(m.loss_chunk, length) * vocab
+                      / ways("act_vocab") * 4 + n * d * cdt)}
   peak = max(parts["working"] + parts["attention"], parts["logits"])
   state = parts["params"] + parts["optimizer"] + parts["gradients"]
   return {**parts, "state": state, "total": state + parts["activations"] + peak}
