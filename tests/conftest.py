@@ -62,6 +62,16 @@ def pytest_collectreport(report):
     _fail(report, reason)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+  """A test file's tests run on one worker (its module fixtures built once), as `--dist
+  loadfile` would, except a test marked xdist_group, which runs in its own group: each docs
+  page's examples (tests/test_docs.py), minutes each, so no one worker gets all of them."""
+  for item in items:
+    if item.get_closest_marker("xdist_group") is None:
+      item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(autouse=True)
 def _quiet_tqdm(monkeypatch):
   monkeypatch.setenv("TQDM_DISABLE", "1")

@@ -54,7 +54,8 @@ def run_bash(script, cwd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if any(k == "bash" for k, _ in blocks(p))])
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.xdist_group(f"docs:{p}"))
+                                  for p in PAGES if any(k == "bash" for k, _ in blocks(p))])
 def test_examples_run(page, workdir):
   script = "\n".join(body for kind, body in blocks(page) if kind == "bash")
   proc = run_bash(script, workdir)

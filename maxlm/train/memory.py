@@ -13,7 +13,8 @@ device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
                elements W_F F + W_A (h + k)hd + W_D D a position, the W fitted per policy
                to XLA's accounting (below), of `FIT`'s bytes an element for the platform (4
                on a CPU, 3 on TPU and GPU: the compilers keep part in the compute dtype),
-               plus under fsdp one layer's gathered weights;
+               plus under fsdp one layer's gathered weights, and on GPU an MoE layer's tile
+               copies (`_tile_copies`);
   attention    temporaries beyond that: `reference` attention's [rows, h, L, L] float32 scores
                (kept per layer under remat none); under context parallelism the all-gathered K
                and V, and q, k, v and the output (and their gradients) at full length, which
@@ -56,14 +57,14 @@ WORKING = {"none": (10.0, 2.0, 6.0), "full": (9.0, 4.0, 9.0), "dots": (8.0, 4.0,
 
 class Fit(typing.NamedTuple):
   working_bytes: float  # bytes an element of the backward pass's live set
-  logit_copies: int  # float32 copies of the loss's logits chunk live at its peak
+  logit_copies: float  # float32 copies of the loss's logits chunk live at its peak
 
 
 # what each compiler keeps, fitted to its accounting over the same cases: XLA:CPU by
 # tools/bench_memory.py (it computes in float32); XLA:TPU and XLA:GPU by
 # tools/bench_compile_memory.py --fit, which keep part of the live set in the compute dtype and
 # fewer copies of the logits
-FIT = {"cpu": Fit(4.0, 3), "tpu": Fit(3.0, 2), "gpu": Fit(3.0, 2)}
+FIT = {"cpu": Fit(4.0, 3), "tpu": Fit(3.0, 2), "gpu": Fit(1.75, 1.5)}
 PARTS = ("params", "optimizer", "gradients", "activations", "working", "attention", "logits")
 
 
@@ -106,7 +107,7 @@ def estimate(config, s, n_devices, vocab, platform=None):
            "gradients": 4 * count * (2 if config.train.grad_accum > 1 else 1),
            "activations": m.n_layers * (n * saved * cdt + kept),
            "working": (n * (w_f * f + w_a * (h + k) * hd + w_d * d) * fit.working_bytes
-                       + 4 * layer_weights),
+                       + 4 * layer_weights + _tile_copies(m, platform, n, cdt)),
            "attention": scores + kv + zigzag,
            "logits": (fit.logit_copies * rows * min(m.loss_chunk, length) * vocab
                       / ways("act_vocab") * 4 + n * d * cdt)}
@@ -131,6 +132,15 @@ def _routing(m):
   specs = layers.specs(m)
   return sum(2 * m.moe.top_k * m.d_model + m.moe.experts for spec in specs if spec.moe) / len(
       specs)
+
+
+def _tile_copies(m, platform, n, cdt):
+  """GPU MoE: the experts' gradient (maxlm/model/grouped.py `ragged_dot_tiles`) copies one
+  layer's routed rows and their output gradients into tiles: top_k (D + 2F) a position."""
+  from maxlm.model import impl as impl_lib
+  if not m.moe.experts or impl_lib.grouped_impl(platform) != "ragged_dot_tiles":
+    return 0
+  return n * m.moe.top_k * (m.d_model + 2 * (m.moe.d_ff or m.d_ff)) * cdt
 
 
 def param_counts(config, vocab):
