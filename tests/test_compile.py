@@ -127,7 +127,7 @@ GPU_MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
     ids=["shipped-1b", "moe-fsdp8"])
 def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus):
   """XLA:GPU and Triton for sm_90a: the shipped one-GPU config with our segments kernel, and an
-  MoE with windows on 8 H200s (ragged_dot experts, the batch over fsdp)."""
+  MoE with windows on 8 H200s (ragged_dot_tiles experts, the batch over fsdp)."""
   pytest.importorskip("jax_plugins.xla_cuda12")
   proc = subprocess.run(
       [sys.executable, "-m", "maxlm.cli", "compile", config, *overrides, "--stage", "0",
@@ -140,5 +140,5 @@ def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus):
   if gpus == "1x1x1":  # at a real size the estimate holds (tiny steps are fixed costs)
     assert 0.8 < stage["estimate_total"] / c["total"] < 1.25
   else:
-    assert stage["grouped"] == "ragged_dot"
+    assert stage["grouped"] == "ragged_dot_tiles"
     assert stage["collectives"]["all-gather"]["count"] > 0

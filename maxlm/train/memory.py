@@ -12,7 +12,7 @@ device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
   working      the backward pass's live set for one layer (recomputed first under remat), in
                elements W_F F + W_A (h + k)hd + W_D D a position, the W fitted per policy
                to XLA's accounting (below), of `FIT`'s bytes an element for the platform (4
-               on a CPU, 3 on TPU and GPU: the compilers keep part in the compute dtype),
+               on a CPU, 2.75 on TPU, 1.75 on GPU: those keep much in the compute dtype),
                plus under fsdp one layer's gathered weights, and on GPU an MoE layer's tile
                copies (`_tile_copies`);
   attention    temporaries beyond that: `reference` attention's [rows, h, L, L] float32 scores
@@ -21,7 +21,7 @@ device holds, hd head_dim, N = rows x positions a device holds per micro-batch):
                the zigzag permutation of the sequence (attention/context.py) makes;
                the tiled implementations' O(L x tile) blocks are within `working`;
   logits       the loss's chunk of float32 logits [rows, loss_chunk, vocab] (`FIT`'s copies: 3
-               on a CPU, 2 on TPU and GPU)
+               on a CPU, 1.5 on TPU and GPU)
                and d(hidden) [N, D]; it peaks at another moment than `working` + `attention`, so
                the total counts the larger of the two.
 Stages whose objective holds a frozen reference model (dpo; grpo with beta > 0) add a float32
@@ -64,7 +64,7 @@ class Fit(typing.NamedTuple):
 # tools/bench_memory.py (it computes in float32); XLA:TPU and XLA:GPU by
 # tools/bench_compile_memory.py --fit, which keep part of the live set in the compute dtype and
 # fewer copies of the logits
-FIT = {"cpu": Fit(4.0, 3), "tpu": Fit(3.0, 2), "gpu": Fit(1.75, 1.5)}
+FIT = {"cpu": Fit(4.0, 3), "tpu": Fit(2.75, 1.5), "gpu": Fit(1.75, 1.5)}
 PARTS = ("params", "optimizer", "gradients", "activations", "working", "attention", "logits")
 
 
