@@ -55,23 +55,26 @@ CASES = {"blockwise": ["stages.0.attention=blockwise"], "splash": ["stages.0.att
          "splash-window": ["stages.0.attention=splash", "model.attention.window=128",
                            "model.attention.global_every=2"],
          "moe-megablox": MOE, "moe-expert2": [*MOE, "stages.0.mesh.fsdp=2",
-                                              "stages.0.mesh.expert=2"]}
+                                              "stages.0.mesh.expert=2"],
+         "sparse-blocks": ["stages.0.attention=splash", "stages.0.sparse.mode=sparse",
+                           "stages.0.sparse.topk=64", "stages.0.sparse.block=32",
+                           *(f"stages.{s}.sparse.mode=sparse" for s in (1, 2))]}
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_stage_compiles_for_a_tpu_slice_and_reports(case):
+def test_a_stage_compiles_for_a_tpu_slice_and_reports(case, here):
   """The real XLA:TPU compiler (and Mosaic for splash and megablox, each run per device in a
-  shard_map) on a 4-chip v5e slice, the batch over fsdp (and the experts over `expert`)."""
+  shard_map) on a 4-chip v5e slice, the batch over fsdp (and the experts over `expert`), and a
+  sparse stage's block selection; in this process (the refusal below starts the command)."""
   pytest.importorskip("libtpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "maxlm.cli", "compile", "configs/demo.yaml", *TINY, *CASES[case],
-       "--stage", "0", "--target", "tpu:v5e:2x2", "--json"], capture_output=True, text=True,
-      cwd=ROOT)
+  proc = here("compile", ROOT / "configs" / "demo.yaml", *TINY, *CASES[case], "--stage", "0",
+              "--target", "tpu:v5e:2x2", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)
   (stage,) = out["stages"]
   want = "blockwise" if case == "blockwise" else "splash"
   assert out["devices"] == 4 and stage["fits"] and stage["attention"] == want
+  assert stage["sparse"] == ("blocks" if case == "sparse-blocks" else "dense")
   c = stage["compiled"]
   assert c["total"] == c["arguments"] + c["outputs"] - c["aliased"] + c["temporaries"] > 0
   assert 0.5 < stage["estimate_total"] / c["total"] < 2
@@ -125,13 +128,12 @@ GPU_MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
 @pytest.mark.parametrize("config, overrides, gpus", [
     ("configs/gpu_1x_1b.yaml", [], "1x1x1"), ("configs/demo.yaml", [*TINY, *GPU_MOE], "1x1x8")],
     ids=["shipped-1b", "moe-fsdp8"])
-def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus):
+def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus, here):
   """XLA:GPU and Triton for sm_90a: the shipped one-GPU config with our segments kernel, and an
   MoE with windows on 8 H200s (ragged_dot_tiles experts, the batch over fsdp)."""
   pytest.importorskip("jax_plugins.xla_cuda12")
-  proc = subprocess.run(
-      [sys.executable, "-m", "maxlm.cli", "compile", config, *overrides, "--stage", "0",
-       "--target", f"gpu:h200:{gpus}", "--json"], capture_output=True, text=True, cwd=ROOT)
+  proc = here("compile", ROOT / config, *overrides, "--stage", "0", "--target",
+              f"gpu:h200:{gpus}", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   (stage,) = json.loads(proc.stdout)["stages"]
   c = stage["compiled"]
