@@ -51,6 +51,7 @@ ROWS = [
     ("configs/frontier_moe_v4flash.yaml", 1, "tpu:v5p:8x8x4"),
     ("configs/frontier_200b_dense.yaml", 0, "tpu:v5p:8x8x8"),
     ("configs/frontier_moe_v4flash.yaml", 0, "tpu:v5p:8x8x8"),
+    ("configs/frontier_200b_dense.yaml", 0, "tpu:v5p:8x16x8"),
 ]
 
 
