@@ -17,7 +17,8 @@ experts_loop) on the same inputs, float32, in one process, for each E in --exper
 
 Inputs are real text: the bytes of a Python stdlib source file, embedded with a fixed random
 table [256, D], so routing sees the skew of repeated tokens. grouped uses grouped.default_impl()
-for this backend (maxlm/model/grouped.py: tiled on CPU, ragged_dot on GPU, megablox on TPU).
+for this backend (maxlm/model/grouped.py: tiled on CPU, ragged_dot_tiles on GPU, megablox on
+TPU).
 
   python tools/bench_moe_layer.py [--json] [--tokens 4096] [--d-model 256] [--d-ff 512]
       [--experts 8 32] [--top-k 2] [--capacity-factor 1.0] [--repeats 3]

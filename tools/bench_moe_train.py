@@ -10,9 +10,10 @@ that did not compile or follow a resume. Held-out loss (`val_loss`) is compared 
 steps, i.e. at equal tokens.
 
 Before the runs, `grouped_matmul_cpu` times what decides MoE's tokens/s on a CPU: the gradient
-of one grouped matmul (jax.lax.ragged_dot, which maxlm/model/moe.py uses off TPU) against a
-dense matmul of the same FLOPs, and against `blocked`, a pure-JAX alternative measured here only
-(each expert's rows padded to 128-row blocks, one batched matmul with per-block weights).
+of one grouped matmul (jax.lax.ragged_dot, whose forward maxlm/model/grouped.py uses on GPU)
+against a dense matmul of the same FLOPs, and against `blocked`, a pure-JAX alternative measured
+here only (each expert's rows padded to 128-row blocks, one batched matmul with per-block
+weights).
 
   python tools/bench_moe_train.py --json [--data runs/demo/data] [--steps-scale 1.0]
       [--chunk 15] [--eval-every 65] [key=value ...]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared MoE check for a lent GPU or TPU (tools/gpu_moe_check.py says what it measures):
 #   bash tools/gpu_moe_check.sh [OUT_DIR] [--dry-run]     (~2 minutes on one H200; JSON in OUT_DIR)
-# the grouped matmul (ragged_dot; megablox on TPU) against a dense per-expert loop, forward +
+# the grouped matmul (ragged_dot_tiles; megablox on TPU) against a dense per-expert loop, forward +
 # backward, and the expert-parallel all-to-all dispatch over every device.
 # --dry-run (or DRY_RUN=1): tiny sizes in f32 on 8 fake CPU devices (what the tests run).
 set -uo pipefail

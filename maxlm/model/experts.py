@@ -5,7 +5,7 @@ per-expert reference loop, and capacity (how many slots an expert keeps).
   experts_loop(...)  same signature: a per-expert loop, the reference the tests hold it to
 
 Dropless by default - token slots sorted by expert and two grouped matmuls (maxlm/model/grouped.py:
-megablox on TPU, jax.lax.ragged_dot on GPU, a tiled scan on CPU). With `capacity` > 0 each expert
+megablox on TPU, ragged_dot_tiles on GPU, a tiled scan on CPU). With `capacity` > 0 each expert
 keeps its first `capacity` slots in token order and the rest contribute 0. A slot routed to the
 sentinel expert E (padding, maxlm/model/moe.py) computes nothing and counts in neither load nor
 capacity. maxlm/model/expert_parallel.py splits the same computation over the mesh.
