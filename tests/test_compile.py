@@ -51,14 +51,14 @@ def test_an_unknown_topology_is_one_line():
 
 MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
        "stages.0.attention=splash"]
+SPARSE = ["stages.0.sparse.mode=sparse", "stages.0.sparse.topk=64", "stages.0.sparse.block=32",
+          *(f"stages.{s}.sparse.mode=sparse" for s in (1, 2))]  # later stages stay sparse
 CASES = {"blockwise": ["stages.0.attention=blockwise"], "splash": ["stages.0.attention=splash"],
          "splash-window": ["stages.0.attention=splash", "model.attention.window=128",
                            "model.attention.global_every=2"],
          "moe-megablox": MOE, "moe-expert2": [*MOE, "stages.0.mesh.fsdp=2",
                                               "stages.0.mesh.expert=2"],
-         "sparse-blocks": ["stages.0.attention=splash", "stages.0.sparse.mode=sparse",
-                           "stages.0.sparse.topk=64", "stages.0.sparse.block=32",
-                           *(f"stages.{s}.sparse.mode=sparse" for s in (1, 2))]}
+         "sparse-blocks": ["stages.0.attention=splash", *SPARSE]}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -126,11 +126,14 @@ GPU_MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
 
 
 @pytest.mark.parametrize("config, overrides, gpus", [
-    ("configs/gpu_1x_1b.yaml", [], "1x1x1"), ("configs/demo.yaml", [*TINY, *GPU_MOE], "1x1x8")],
-    ids=["shipped-1b", "moe-fsdp8"])
+    ("configs/gpu_1x_1b.yaml", [], "1x1x1"), ("configs/demo.yaml", [*TINY, *GPU_MOE], "1x1x8"),
+    ("configs/demo.yaml", [*TINY, *SPARSE, "stages.0.attention=gpu", "stages.0.mesh.fsdp=8"],
+     "1x1x8")],
+    ids=["shipped-1b", "moe-fsdp8", "sparse-blocks"])
 def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus, here):
-  """XLA:GPU and Triton for sm_90a: the shipped one-GPU config with our segments kernel, and an
-  MoE with windows on 8 H200s (ragged_dot_tiles experts, the batch over fsdp)."""
+  """XLA:GPU and Triton for sm_90a: the shipped one-GPU config with our segments kernel, an MoE
+  with windows on 8 H200s (ragged_dot_tiles experts, the batch over fsdp), and a sparse stage's
+  block selection."""
   pytest.importorskip("jax_plugins.xla_cuda12")
   proc = here("compile", ROOT / config, *overrides, "--stage", "0", "--target",
               f"gpu:h200:{gpus}", "--json")
@@ -142,5 +145,6 @@ def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus, he
   if gpus == "1x1x1":  # at a real size the estimate holds (tiny steps are fixed costs)
     assert 0.8 < stage["estimate_total"] / c["total"] < 1.25
   else:
-    assert stage["grouped"] == "ragged_dot_tiles"
+    assert stage["grouped"] == ("ragged_dot_tiles" if GPU_MOE[0] in overrides else None)
+    assert stage["sparse"] == ("blocks" if SPARSE[0] in overrides else "dense")
     assert stage["collectives"]["all-gather"]["count"] > 0
