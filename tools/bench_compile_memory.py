@@ -1,8 +1,9 @@
-"""`maxlm memory`'s estimate held to the TPU compiler: for each case (remat policy, fsdp, tensor,
-context, expert, sparse stages, MoE, loss_chunk, grad_accum, dpo) a stage of the 150M config is
-compiled by libtpu's XLA:TPU compiler for a v5e slice on this CPU machine (maxlm/compile/), and
-the estimate (maxlm/train/memory.py, platform tpu) is printed beside the compiler's bytes a chip,
-with their ratio. Needs the aot extra.
+"""`maxlm memory`'s estimate held to the TPU and GPU compilers: for each case (remat policy,
+fsdp, tensor, context, expert, sparse stages, MoE, loss_chunk, grad_accum, dpo) a stage of the
+150M config is compiled for --target on this CPU machine (maxlm/compile/: libtpu's XLA:TPU for
+a v5e slice by default, or the CUDA plugin's XLA:GPU, e.g. --target gpu:h200:1x1x8), and the
+estimate (maxlm/train/memory.py, the target's platform) is printed beside the compiler's bytes a
+device, with their ratio. Needs the aot extra.
 
   python tools/bench_compile_memory.py [--json] [--cases NAME,...] [--target tpu:v5e:2x4]
   python tools/bench_compile_memory.py --fit RESULTS.json   # refit memory.FIT for that target

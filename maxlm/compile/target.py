@@ -6,7 +6,8 @@ compiles for without having them.
 
 TPU slices come from `jax.experimental.topologies` with libtpu installed, GPU nodes from the
 same with the CUDA plugin and a description of the GPU we write (maxlm/compile/gpu_spec.py);
-both come with the `aot` extra. A chip's memory is its generation's published HBM. A target this install cannot compile
+both come with the `aot` extra. A TPU chip's memory is its generation's published HBM; a
+GPU's, the memory its driver reports (gpu_spec.py), which the compiler is told too. A target this install cannot compile
 for is one line naming what to install.
 """
 
@@ -21,7 +22,7 @@ from maxlm.compile import gpu_spec
 
 GIB = 2 ** 30
 HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB,
-             "h100": 80 * GIB, "h200": 141 * GIB}
+             **{chip: gpu.memory_bytes for chip, gpu in gpu_spec.GPUS.items()}}
 TPU_PEAK_BF16 = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 INSTALL = "pip install -e '.[aot]' (libtpu for TPU targets, the CUDA plugin for GPU ones)"
 
