@@ -49,8 +49,8 @@ def test_an_unknown_topology_is_one_line():
     target.devices(target.parse("tpu:v5e:3x3"))
 
 
-MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
-       "stages.0.attention=splash"]
+MOE_SHAPE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128"]
+MOE = [*MOE_SHAPE, "stages.0.attention=splash"]
 SPARSE = ["stages.0.sparse.mode=sparse", "stages.0.sparse.topk=64", "stages.0.sparse.block=32",
           *(f"stages.{s}.sparse.mode=sparse" for s in (1, 2))]  # later stages stay sparse
 CASES = {"blockwise": ["stages.0.attention=blockwise"], "splash": ["stages.0.attention=splash"],
@@ -120,8 +120,7 @@ def test_the_gpu_description_is_what_the_cuda_plugin_reads():
   assert "141GB" in gpu_spec.target_config("h200") and "80GB" in gpu_spec.target_config("h100")
 
 
-GPU_MOE = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.d_ff=128",
-           "stages.0.attention=gpu", "model.attention.window=128",
+GPU_MOE = [*MOE_SHAPE, "stages.0.attention=gpu", "model.attention.window=128",
            "model.attention.global_every=2", "stages.0.mesh.fsdp=8"]
 
 

@@ -74,17 +74,20 @@ def fit(results):
   platform = target_lib.parse(results["target"]).platform
   configs = {r["case"]: config_lib.load(CONFIG, CASES[r["case"]]) for r in results["cases"]}
   compiled = {r["case"]: r["compiled_gib"] * 2**30 for r in results["cases"]}
-  best = None
-  for working_bytes in [b / 4 for b in range(4, 21)]:
-    for copies in (1, 1.5, 2, 2.5, 3):
-      memory.FIT[platform] = memory.Fit(working_bytes, copies)
-      ratios = {name: memory.estimate(cfg, 0, results["devices"], cfg.model.vocab_size,
-                                      platform)["total"] / compiled[name]
-                for name, cfg in configs.items()}
-      score = (-sum(0.75 <= r <= 1.25 for r in ratios.values()),
-               max(abs(math.log(r)) for r in ratios.values()))
-      if best is None or score < best[0]:
-        best = (score, memory.FIT[platform], ratios)
+  best, shipped = None, memory.FIT[platform]
+  try:
+    for working_bytes in [b / 4 for b in range(4, 21)]:
+      for copies in (1, 1.5, 2, 2.5, 3):
+        memory.FIT[platform] = memory.Fit(working_bytes, copies)
+        ratios = {name: memory.estimate(cfg, 0, results["devices"], cfg.model.vocab_size,
+                                        platform)["total"] / compiled[name]
+                  for name, cfg in configs.items()}
+        score = (-sum(0.75 <= r <= 1.25 for r in ratios.values()),
+                 max(abs(math.log(r)) for r in ratios.values()))
+        if best is None or score < best[0]:
+          best = (score, memory.FIT[platform], ratios)
+  finally:
+    memory.FIT[platform] = shipped  # the search leaves the module as it found it
   return best[1], best[2]
 
 
@@ -119,7 +122,8 @@ def main(argv=None):
           f"{row['estimate_gib']:7.3f} GiB  ratio {row['ratio']:.2f}  ({row['attention']}, "
           f"{row['seconds']:.0f} s)", file=sys.stderr if args.json else sys.stdout, flush=True)
   worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-  summary = {"target": target.name, "devices": len(devices), "cases": rows, "worst_ratio": worst["ratio"],
+  summary = {"target": target.name, "devices": len(devices), "cases": rows,
+             "worst_ratio": worst["ratio"],
              "within_25": sum(0.75 <= r["ratio"] <= 1.25 for r in rows)}
   print(json.dumps(summary) if args.json else
         f"{summary['within_25']} of {len(rows)} within 25%; worst {worst['case']} "

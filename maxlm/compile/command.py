@@ -13,7 +13,8 @@ from maxlm import MaxlmError, config as config_lib
 from maxlm.compile import target as target_lib
 
 FIXES = ("model.remat=full (keep only each layer's input)", "a smaller model.loss_chunk",
-         "more fsdp ways (stages.N.mesh.fsdp)", "a smaller stages.N.batch or a larger train.grad_accum")
+         "more fsdp ways (stages.N.mesh.fsdp)",
+         "a smaller stages.N.batch or a larger train.grad_accum")
 
 
 def add_parser(sub, add_config):

@@ -7,8 +7,8 @@ compiles for without having them.
 TPU slices come from `jax.experimental.topologies` with libtpu installed, GPU nodes from the
 same with the CUDA plugin and a description of the GPU we write (maxlm/compile/gpu_spec.py);
 both come with the `aot` extra. A TPU chip's memory is its generation's published HBM; a
-GPU's, the memory its driver reports (gpu_spec.py), which the compiler is told too. A target this install cannot compile
-for is one line naming what to install.
+GPU's, the memory its driver reports (gpu_spec.py), which the compiler is told too. A target
+this install cannot compile for is one line naming what to install.
 """
 
 import contextlib

@@ -107,7 +107,8 @@ def estimate(config, s, n_devices, vocab, platform=None):
            "gradients": 4 * count * (2 if config.train.grad_accum > 1 else 1),
            "activations": m.n_layers * (n * saved * cdt + kept),
            "working": (n * (w_f * f + w_a * (h + k) * hd + w_d * d) * fit.working_bytes
-                       + 4 * layer_weights + _tile_copies(m, platform, n, cdt)),
+                       + 4 * layer_weights
+                       + _tile_copies(m, impl_lib.grouped_impl(platform), n, cdt)),
            "attention": scores + kv + zigzag,
            "logits": (fit.logit_copies * rows * min(m.loss_chunk, length) * vocab
                       / ways("act_vocab") * 4 + n * d * cdt)}
@@ -134,11 +135,10 @@ def _routing(m):
       specs)
 
 
-def _tile_copies(m, platform, n, cdt):
+def _tile_copies(m, grouped, n, cdt):
   """GPU MoE: the experts' gradient (maxlm/model/grouped.py `ragged_dot_tiles`) copies one
   layer's routed rows and their output gradients into tiles: top_k (D + 2F) a position."""
-  from maxlm.model import impl as impl_lib
-  if not m.moe.experts or impl_lib.grouped_impl(platform) != "ragged_dot_tiles":
+  if not m.moe.experts or grouped != "ragged_dot_tiles":
     return 0
   return n * m.moe.top_k * (m.d_model + 2 * (m.moe.d_ff or m.d_ff)) * cdt
 
