@@ -113,6 +113,7 @@ def cmd_eval(args):
   table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, budget, split)
   if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
+  _mark_trained(config, table)
   from maxlm.eval import long_eval  # loss by position; passkey retrieval with --passkey
   passkey = long_eval.Passkey(lengths=args.passkey_lengths, samples=args.passkey_samples,
                               seed=args.passkey_seed, png=args.passkey_png)
@@ -126,16 +127,35 @@ def cmd_eval(args):
   print(f"checkpoint {step}, stage {s} (L={stage.seq_len}), {args.split} split: per source, "
         f"whole documents within {budget:,} tokens, the same text at every stage "
         "(docs/troubleshooting.md)")
-  print(f"{'source':<13}{'documents':>10}{'tokens':>10}{'bytes':>11}{'nll (nats)':>13}"
-        f"{'loss/token':>12}{'bits/byte':>11}")
-  for name, e in [*table["sources"].items(), ("all", table["all"])]:
-    mark = "*" if e["small"] and name != "all" else ""
-    print(f"{name + mark:<13}{e['documents']:>10,}{e['tokens']:>10,}{e['bytes']:>11,}"
-          f"{e['nll']:>13,.1f}{e['loss']:>12.4f}{e['bpb']:>11.4f}")
-  if bpb.small_sources(table):
-    print("* " + bpb.small_note(bpb.small_sources(table)))
-  print("bits/byte = nll / ln 2 / bytes; loss/token = nll / tokens")
+  print("\n".join(_table_lines(table)))
   print("\n".join(long_eval.format_text(extra)))
+
+
+def _mark_trained(config, table):
+  """Each source's `trained`: whether any stage's mix names it (maxlm/data/plan.py)."""
+  from maxlm.data import plan
+  left_out = plan.unmixed([config.mix_for(i) for i in range(len(config.stages))],
+                          list(table["sources"]))
+  for name, entry in table["sources"].items():
+    entry["trained"] = name not in left_out
+
+
+def _table_lines(table):
+  from maxlm.eval import bpb
+  lines = [f"{'source':<13}{'documents':>10}{'tokens':>10}{'bytes':>11}{'nll (nats)':>13}"
+           f"{'loss/token':>12}{'bits/byte':>11}"]
+  for name, e in [*table["sources"].items(), ("all", table["all"])]:
+    source = name != "all"
+    mark = ("*" if source and e["small"] else "") + ("!" if source and not e["trained"] else "")
+    lines.append(f"{name + mark:<13}{e['documents']:>10,}{e['tokens']:>10,}{e['bytes']:>11,}"
+                 f"{e['nll']:>13,.1f}{e['loss']:>12.4f}{e['bpb']:>11.4f}")
+  if bpb.small_sources(table):
+    lines.append("* " + bpb.small_note(bpb.small_sources(table)))
+  left_out = [n for n, e in table["sources"].items() if not e["trained"]]
+  if left_out:
+    lines.append(f"! not trained on: no stage's mix names {', '.join(left_out)}")
+  lines.append("bits/byte = nll / ln 2 / bytes; loss/token = nll / tokens")
+  return lines
 
 
 def cmd_trace(args):

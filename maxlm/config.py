@@ -45,6 +45,7 @@ class DataConfig:
   workers: int = 0  # >= 0; Grain worker processes; batches do not depend on it
   prefetch: int = 2  # >= 1; batches each worker prepares ahead
   allow_changed: bool = False  # resume on other data than the checkpoint's (logged)
+  strict: bool = False  # a source of the data dir that no stage's mix names is an error
   # [[a, b], ...], 0 <= a < b, not overlapping: global steps a..b-1 train on the batches after
   # them instead (after a loss spike; maxlm/data/skip.py, docs/troubleshooting.md)
   skip_steps: tuple[tuple[int, ...], ...] = ()

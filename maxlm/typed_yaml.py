@@ -226,6 +226,7 @@ def _convert(hint, value, key):
   if origin is dict:
     if not isinstance(value, dict):
       raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    _check_colons(key, value)
     return {_text(k): _convert(args[1], v, f"{key}.{_text(k)}") for k, v in value.items()}
   number = isinstance(value, (int, float)) and not isinstance(value, bool)
   if hint is float and number:
@@ -243,6 +244,15 @@ def _convert(hint, value, key):
   if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
     raise ConfigError(f"{key}: expected {hint.__name__}, got {_plain(value)!r}")
   return _plain(value)
+
+
+def _check_colons(key, mapping):
+  """`{web:0.5}` is YAML for the key 'web:0.5' with no value: said so, with the fix."""
+  for k, v in mapping.items():
+    name, colon, rest = _text(k).partition(":")
+    if v is None and colon:
+      raise ConfigError(f"{key}: {_text(k)!r} reads as one key without a value; YAML needs a "
+                        f"space after the colon: {{{name}: {rest}}}")
 
 
 def _text(value):

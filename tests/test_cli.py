@@ -54,6 +54,12 @@ def test_ledger_json_totals_match_batches(cfg_path, tmp_path):
   assert warm.returncode == 0, warm.stderr
   modes = [st["attention"] for st in json.loads(warm.stdout)["stages"]]
   assert modes == ["dense", "dense, indexer 4x64 warming up (main model frozen)"]
+  left = maxlm("ledger", cfg_path, "data.mix={a: 1}", "stages.1.mix={a: 1}", "--json")
+  assert json.loads(left.stdout)["not_trained"] == ["b"]
+  assert "warning: no stage's mix names source 'b'" in maxlm("ledger", cfg_path,
+                                                             "data.mix={a: 1}").stdout
+  assert json.loads(maxlm("ledger", cfg_path, "stages.1.mix={a: 1}", "--json").stdout)[
+      "not_trained"] == []  # stage 0 trains on b
 
 
 def test_batches_host_slices_and_errors(cfg_path, tmp_path):

@@ -168,6 +168,8 @@ def test_duplicate_keys_name_the_key_and_both_lines(tmp_path):
     (["train.lr=-1e-3"], r"train.lr: expected a number > 0, got -0.001"),
     (["data.mix={prose: .inf}"], r"data.mix.prose: expected a finite number, got inf"),
     (["stages.0.mix={prose: .nan}"], r"stages.0.mix.prose: expected a finite number, got nan"),
+    (["data.mix={prose:0.5}"], r"data.mix: 'prose:0.5' reads as one key without a value; YAML "
+     r"needs a space after the colon: \{prose: 0.5\}"),
     (["stages.0.rope.theta=.inf"], r"stages.0.rope.theta: expected a finite number, got inf"),
     (["stages.0.rope.theta=0"], r"stages.0.rope.theta: expected a number > 0, got 0.0"),
     (["stages.0.rope.factor=.inf"], r"stages.0.rope.factor: expected a finite number"),

@@ -77,6 +77,29 @@ def test_train_resume_and_plot(tmp_path, data_dir):
     assert row["loss"] == pytest.approx(want[step]["loss"], rel=1e-4)
 
 
+def test_a_source_no_stage_trains_on_is_named_at_train_eval_and_plot(tmp_path, data_dir, here):
+  """data.mix leaves 'code' out: train says so (data.strict=true refuses), eval marks it."""
+  from maxlm.train import loop
+  path = small_config(tmp_path, data_dir)
+  proc = here("train", path, "data.mix={prose: 1}", "data.strict=true")
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+  assert "no stage's mix names source 'code': not trained on" in proc.stderr
+  said = []
+  cfg = config_lib.load(str(path), ["data.mix={prose: 1}", "stages.1.mix={prose: 2}"])
+  loop.train(cfg, stop_after=1, log=said.append)
+  assert [line for line in said if "'code'" in line] == [
+      "warning: no stage's mix names source 'code': not trained on (add to data.mix, or "
+      "prepare without it; data.strict=true makes this an error)"]
+  proc = here("eval", cfg.run_dir, "--json")
+  assert proc.returncode == 0, proc.stderr
+  assert {n: e["trained"] for n, e in json.loads(proc.stdout)["sources"].items()} == {
+      "prose": True, "code": False}
+  text = here("eval", cfg.run_dir).stdout
+  assert "\ncode*!" in text and "! not trained on: no stage's mix names code" in text
+  assert plot.untrained(cfg.run_dir, ["code", "prose"]) == ["code"]
+  assert plot.source_label([], "code", ["code"]) == "code (not trained on)"
+
+
 def test_config_errors_come_before_compiling(tmp_path, data_dir):
   path = small_config(tmp_path, data_dir)
   (tmp_path / "a_file").write_text("")

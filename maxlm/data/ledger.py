@@ -10,7 +10,7 @@ the assembled batches.
 
 import numpy as np
 
-from maxlm.data import chunk, fim
+from maxlm.data import chunk, fim, plan
 
 FIELDS = ("pieces", "body", "bos", "eos", "fim_markers", "context", "positions", "loss",
           "documents", "in_word", "pairs", "prompt", "answer")
@@ -120,9 +120,11 @@ def ledger(planner):
   for name, acc in totals.items():
     train = planner.pools[planner.index.sources.index(name)].train_tokens
     acc["exposure"] = round(acc["body"] / train, 6) if train else 0.0
+  mixes = [planner.config.mix_for(s) for s in range(len(stages))]
   return {"stages": stages, "totals": totals,
           "padding": sum(st["padding"] for st in stages),
-          "positions": sum(st["positions"] for st in stages)}
+          "positions": sum(st["positions"] for st in stages),
+          "not_trained": plan.unmixed(mixes, planner.index.sources)}
 
 
 def format_table(led, names=None):
@@ -141,4 +143,6 @@ def format_table(led, names=None):
     pad = st["padding"] / st["positions"]
     lines.append(f"{label:>5} {st['seq_len']:>6} {'(padding)':<12}{st['padding']:>12,} "
                  f"positions of {st['positions']:,} ({pad:.2%}) in {st['rows']:,} rows")
+  if led.get("not_trained"):
+    lines.append(f"warning: {plan.unmixed_line(led['not_trained'])}")
   return "\n".join(lines)

@@ -73,6 +73,21 @@ class Snapshot:
   largest: int  # largest piece body this stage
   version: int = VERSION  # the plan it belongs to
 
+def unmixed(mixes, names):
+  """The sources among `names` that no stage trains on: named by none of `mixes` (one mix per
+  stage; an empty mix takes every source by its share of tokens)."""
+  if any(not mix for mix in mixes):
+    return []
+  named = {n for mix in mixes for n in mix}
+  return [n for n in names if n not in named]
+
+
+def unmixed_line(left_out):
+  """The one line that names sources no stage trains on."""
+  return (f"no stage's mix names source{'s' if len(left_out) > 1 else ''} "
+          f"{', '.join(map(repr, left_out))}: not trained on (add to data.mix, or prepare "
+          "without it; data.strict=true makes this an error)")
+
 
 def check_resume(saved, step_no):
   """A checkpoint's planner snapshot (its JSON, or None) must be of this plan's version."""

@@ -16,6 +16,7 @@ import yaml
 
 from maxlm import MaxlmError, config as config_lib
 from maxlm.ckpt import checkpoint, integrity
+from maxlm.data import plan
 from maxlm.interop import load as init_lib
 from maxlm.parallel import mesh as mesh_lib, preemption, watchdog
 from maxlm.train import (console, dpo, grpo, lease, metrics, pause, planned, resume, rundir,
@@ -36,6 +37,7 @@ def train(config, *, stop_after=None, force=False, log=print, lookahead=True):
 def _train(config, stop_after, force, lookahead, log):
   with log.phase(f"opening {config.data.dir} and checking the config against it"):
     data, vocab = stage_lib.validate(config)
+  _warn_unmixed(config, data, log)
   run_dir = rundir.RunDir(config.run_dir)
   run_dir.check_writable()
   with metrics.write_errors(run_dir.local):
@@ -58,6 +60,15 @@ def _train(config, stop_after, force, lookahead, log):
     finally:
       run_dir.push(log)
       held.release()
+
+
+def _warn_unmixed(config, data, log):
+  left_out = plan.unmixed([config.mix_for(s) for s in range(len(config.stages))],
+                          data.index.sources)
+  if left_out and config.data.strict:
+    raise MaxlmError(plan.unmixed_line(left_out))
+  if left_out:
+    log(f"warning: {plan.unmixed_line(left_out)}")
 
 
 def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, lookahead, log):

@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import yaml  # noqa: E402
 
 from maxlm import MaxlmError, io  # noqa: E402
+from maxlm.data import plan  # noqa: E402
 from maxlm.eval import bpb  # noqa: E402
 from maxlm.train import metrics, plot_positions  # noqa: E402
 
@@ -64,6 +65,16 @@ def stage_labels(run_dir):
     return {}
 
 
+def untrained(run_dir, sources):
+  """The sources no stage of the run's config.yaml trains on (maxlm/data/plan.py), or []."""
+  try:
+    raw = yaml.safe_load(io.read_bytes(io.join(run_dir, "config.yaml")))
+    mixes = [st.get("mix") or raw.get("data", {}).get("mix") or {} for st in raw["stages"]]
+  except Exception:  # a missing or foreign config only costs the marks
+    return []
+  return plan.unmixed(mixes, sources)
+
+
 def step_rows(rows):
   """The step rows (not events), the last of each step, sorted; a row that compiled (the
   first of its stage in its process) is marked `compiled`."""
@@ -77,8 +88,9 @@ def step_rows(rows):
   return [latest[s] for s in sorted(latest)]
 
 
-def figure(rows, labels=None, title=""):
-  """The matplotlib figure of these metrics rows (one axes per name in PANELS)."""
+def figure(rows, labels=None, title="", untrained=()):
+  """The matplotlib figure of these metrics rows (one axes per name in PANELS); the sources in
+  `untrained` are marked so in the legends."""
   rows = step_rows(rows)
   labels = labels or {}
   extra = plot_positions.present(rows)  # its own x axis (position): not shared
@@ -96,7 +108,7 @@ def figure(rows, labels=None, title=""):
     ax.grid(alpha=0.3)
   _loss(ax_of["loss"], rows)
   for name in ("val_loss", "val_bpb"):
-    _per_source(ax_of[name], rows, name)
+    _per_source(ax_of[name], rows, name, untrained)
   _lines(ax_of["lr"], rows, ("lr",))
   _lines(ax_of["norms"], rows, ("grad_norm", "param_norm"))
   ax_of["norms"].set_yscale("log")
@@ -141,31 +153,34 @@ def _loss(ax, rows):
   ax.legend(fontsize=7, loc="lower left")  # the stage names are along the top
 
 
-def _per_source(ax, rows, name):
+def _per_source(ax, rows, name, untrained):
   xs, ys = _series(rows, name)
   if xs:
     ax.plot(xs, ys, "o-", color="black", lw=1.4, ms=3, label="all sources")
   sources = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith(name + "/")})
   for source in sources:
     xs, ys = _series(rows, f"{name}/{source}")
-    ax.plot(xs, ys, "o--", lw=1, ms=2.5, label=source_label(rows, source))
-  if xs or sources:
-    ax.legend(fontsize=7, loc="best", ncol=min(4, len(sources) + 1))
+    ax.plot(xs, ys, "o--", lw=1, ms=2.5, label=source_label(rows, source, untrained))
+  if xs or sources:  # beside the panel, not over its curves
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
   else:
     ax.text(0.5, 0.5, "not evaluated yet (train.eval_every)", transform=ax.transAxes,
             ha="center", va="center", color="grey")
 
 
-def source_label(rows, source):
+def source_label(rows, source, untrained=()):
   """A source's legend entry: its name, flagged when its held-out set is small (under
-  bpb.SMALL_TOKENS tokens scored: a noisy curve) or when evaluations scored different text
-  (runs from before every evaluation scored the same documents)."""
+  bpb.SMALL_TOKENS tokens scored: a noisy curve), when evaluations scored different text
+  (runs from before every evaluation scored the same documents), or when no stage's mix
+  names it (not trained on)."""
   tokens = [r[f"val_tokens/{source}"] for r in rows if f"val_tokens/{source}" in r]
   label = source
   if tokens and tokens[-1] < bpb.SMALL_TOKENS:
     label += f" (small: {tokens[-1]:,} tokens)"
   if len(set(tokens)) > 1:
     label += " (scored text changed)"
+  if source in untrained:
+    label += " (not trained on)"
   return label
 
 
@@ -198,7 +213,8 @@ def save(run_dir, out):
   rows = metrics.read_jsonl(run_dir)
   if not step_rows(rows):
     raise MaxlmError(f"{run_dir} has no metrics.jsonl yet; run `maxlm train` first")
-  fig = figure(rows, stage_labels(run_dir), run_dir)
+  sources = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("val_loss/")})
+  fig = figure(rows, stage_labels(run_dir), run_dir, untrained(run_dir, sources))
   png = io_lib.BytesIO()
   fig.savefig(png, format="png", dpi=80)
   plt.close(fig)
