@@ -75,6 +75,33 @@ def _add_data_commands(sub):
                  help="the inputs prepare read: show the document's input lines, each removed "
                       "one marked '-' with its rule")
 
+  p = sub.add_parser("config", help="a starting config for a prepared data dir: every source "
+                     "in the mix, FIM on code, stages sized to the data")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
+  p.add_argument("--out", metavar="FILE.yaml", help="write it there (default: print it)")
+  p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+  p.add_argument("--size", default="demo", choices=list(config_lib.MODEL_SIZES),
+                 help="the model's named size (tiny and demo get the CPU settings)")
+  p.add_argument("--seq-len", default="256,1024", metavar="L,...",
+                 help="one stage per length, growing; multiples of 128")
+  p.add_argument("--tokens-per-step", type=int, default=4096,
+                 help="positions per optimizer step (batch = this / seq_len)")
+  p.add_argument("--epochs", type=float, default=1.0,
+                 help="passes over the training tokens, all stages together")
+  p.add_argument("--mix", default="tokens", choices=("tokens", "equal"),
+                 help="each source's share: by its training tokens, or equal")
+  p.add_argument("--run-dir", help="the run's folder (default: runs/NAME for data dir NAME, "
+                                   "or the folder holding a data dir named data)")
+
+  p = sub.add_parser("docs", help="a data dir's document ids, with source, tokens and kept "
+                     "(train, held out) or removed (by which rule)")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
+  p.add_argument("--source", help="only this source's documents")
+  p.add_argument("--grep", metavar="PATTERN", help="only ids matching this regular expression")
+  p.add_argument("--kept", action="store_true", help="only the kept documents")
+  p.add_argument("--removed", action="store_true", help="only the removed documents")
+  p.add_argument("--json", action="store_true", help="one JSON object a line, not a table")
+
   p = sub.add_parser("check-data", help="re-hash every file of a data dir against its manifest")
   p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
 
@@ -202,7 +229,8 @@ def cmd_demo(args):
 
 COMMANDS = {"prepare": cli_data.cmd_prepare, "funnel": cli_data.cmd_funnel,
             "show-doc": cli_data.cmd_show_doc,
-            "check-data": cli_data.cmd_check_data,
+            "check-data": cli_data.cmd_check_data, "config": cli_data.cmd_config,
+            "docs": cli_data.cmd_docs,
             "ledger": cli_data.cmd_ledger, "memory": cli_memory.cmd_memory,
             "compile": compile_command.cmd_compile,
             "batches": cli_data.cmd_batches,

@@ -12,6 +12,7 @@ would call the same functions without the argument parsing a user goes through."
 import dataclasses
 import json
 import os
+import sys
 
 from maxlm import MaxlmError, config as config_lib, io, outputs
 from maxlm.outputs import check_out_file, ensure_parent, special_file, writing
@@ -183,6 +184,44 @@ def _show_funnel(manifest, png=None, title="prepare funnel", warnings=True):
     print(f"wrote {png}")
 
 
+def cmd_config(args):
+  from maxlm import starter
+  seq_lens = _int_list("--seq-len", args.seq_len)
+  opts = starter.Options(size=args.size, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step,
+                         epochs=args.epochs, mix=args.mix, run_dir=args.run_dir)
+  if args.out is None:
+    print(starter.text(args.data_dir, opts), end="")
+    return
+  starter.write(args.data_dir, opts, args.out, args.overwrite)
+  print(f"wrote {args.out}: `maxlm ledger {args.out}` shows what each stage trains on, "
+        f"`maxlm train {args.out}` trains it")
+
+
+def _int_list(flag, text):
+  try:
+    return tuple(int(x) for x in text.split(","))
+  except ValueError:
+    raise MaxlmError(f"{flag} {text!r}: expected integers separated by commas, e.g. 256,1024") \
+        from None
+
+
+def cmd_docs(args):
+  from maxlm.data import doclist
+  if args.kept and args.removed:
+    raise MaxlmError("give --kept or --removed, not both (neither lists all)")
+  which = ((doclist.KEPT,) if args.kept else (doclist.REMOVED,) if args.removed else
+           (doclist.KEPT, doclist.REMOVED))
+  found = doclist.rows(args.data_dir, args.source, args.grep, which)
+  if args.json:
+    for row in found:
+      print(json.dumps(row, ensure_ascii=False))
+  else:
+    print("\n".join(doclist.format_rows(found)))
+  if doclist.REMOVED in which and doclist.removed(args.data_dir) is None:
+    print(f"({args.data_dir} was prepared before data dirs kept their removed documents: "
+          "kept ones only)", file=sys.stderr)
+
+
 def cmd_funnel(args):
   from maxlm.data import store
   check_out_file("--png", args.png, ".png")
@@ -199,7 +238,10 @@ def _print_manifest(manifest, out, verbose=False):
           f"({s['heldout_documents']:,} docs held out)")
   rejected = {k: v for k, v in manifest["rejected"].items() if v}
   skipped = {k: v for k, v in manifest["skipped"].items() if v}
-  print(f"  rejected: {rejected or 'none'}; skipped: {skipped or 'none'}; "
+  funnel = manifest.get("funnel")
+  removed = (f"; removed by the quality steps: {sum(r['documents'] for r in funnel['steps']):,} "
+             "documents (the funnel below)" if funnel else "")
+  print(f"  input rejected: {rejected or 'none'}{removed}; skipped: {skipped or 'none'}; "
         f"skipped files: {manifest['skipped_files'] or 'none'}")
   _print_skipped_files(manifest, verbose)
   pairs = sum(src.get("pairs", 0) for src in manifest["sources"].values())
@@ -220,6 +262,8 @@ def _print_manifest(manifest, out, verbose=False):
     for what in manifest["renamed_id_examples"]:
       print(f"  renamed: {what}")
   elif rejected or skipped:
+    for reason in rejected:
+      print(f"  rejected {reason}, e.g. {manifest['rejected_examples'][reason][0]}")
     print("  (examples in manifest.json; --verbose lists them all)")
   print(f"wrote {out} (fingerprint {manifest['fingerprint'][:12]})")
 

@@ -91,6 +91,26 @@ def markdown_docs(n):
   return out
 
 
+def site_docs(n, max_chars=200_000):
+  """[(file name, text)]: up to n .md/.rst files of site-packages of every size (short READMEs
+  included), in hash order; on a machine with awscli most are its reST command pages, prose
+  around JSON and shell examples, as a user's own docs folder has them."""
+  lib = sysconfig.get_paths()["purelib"]
+  paths = glob.glob(f"{lib}/**/*.md", recursive=True) + glob.glob(f"{lib}/**/*.rst",
+                                                                   recursive=True)
+  out = []
+  for path in _ordered(paths):
+    try:
+      text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError):
+      continue
+    if text.strip() and len(text) <= max_chars:
+      out.append((f"{len(out):03d}-{os.path.basename(path)}", text))
+    if len(out) >= n:
+      break
+  return out
+
+
 def python_sources(n):
   """n standard-library modules' source."""
   lib = sysconfig.get_paths()["stdlib"]

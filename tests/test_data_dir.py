@@ -167,7 +167,7 @@ def test_object_store_overwrite_replaces_files_and_a_failure_is_refused(tmp_path
     run([src], out, tok)
   one = run([write_corpus(tmp_path / "b.jsonl", "new")], out, tok, overwrite=True)
   assert sorted(one["files"]) == sorted(
-      ["doc_ids.bin", "index.json", "tokenizer.model", "tokens-00000.bin"]
+      ["doc_ids.bin", "index.json", "removed.jsonl", "tokenizer.model", "tokens-00000.bin"]
       + [index_files.file_name(f)
          for f in index_files.FIELDS + index_files.OPTIONAL + (index_files.ID_PTR,)])
   assert not io.exists(io.join(out, "tokens-00002.bin"))

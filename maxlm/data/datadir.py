@@ -42,7 +42,7 @@ BLOCK_BYTES = 64 * 2**20  # a token shard's digest block (store.TokenStore check
 _SHARD = re.compile(r"tokens-\d{5}\.bin")
 _PROBE = ".maxlm-write-probe"
 _OURS = re.compile(r"tokens-\d{5}\.bin|index\.npz|doc_ids\.json|tokenizer\.model|manifest\.json|"
-                   r"index\.json|index-\w+\.npy|doc_ids\.bin|" + re.escape(_PROBE))
+                   r"index\.json|index-\w+\.npy|doc_ids\.bin|removed\.jsonl|" + re.escape(_PROBE))
 _RERUN = "re-run maxlm prepare INPUT... --out {} --overwrite"
 
 

@@ -40,6 +40,8 @@ JSONL_SUFFIXES = frozenset((".jsonl",))
 REASONS = ("non_utf8", "empty", "malformed_json", "too_deep", "bad_source", "bad_id",
            "missing_text", "bad_messages", "bad_unicode")
 _EXAMPLES = 5
+_FIELDS_SHOWN = 8
+ID_FIELDS = ("path", "filename", "url")  # a record without an `id` is named by the first
 
 
 class Report:
@@ -213,7 +215,8 @@ def _nonblank(text, where, report):
 
 
 def _id_and_source(record, where, report):
-  """{id, source} given by the record (a missing or empty one is left to the defaults), or
+  """{id, source} given by the record (a missing or empty one is left to the defaults; an id
+  missing is taken from a `path`, `filename` or `url` string when there is one), or
   None when one is unusable: a source must be a string (a number or a list would silently
   become a source name) and not whitespace only ("   " would name a source no one can tell
   apart or pass to --lang SOURCE=), an id a string or an integer (records are often numbered)."""
@@ -227,6 +230,11 @@ def _id_and_source(record, where, report):
       report.reject(reason, where)
       return None
     doc[key] = str(value)
+  if "id" not in doc:
+    named = next((record[k] for k in ID_FIELDS if isinstance(record.get(k), str)
+                  and record[k].strip()), None)
+    if named is not None:
+      doc["id"] = named
   return doc
 
 
@@ -277,7 +285,9 @@ def _parse_line(line, where, report):
       return None
     return {**doc, "kind": "chat", "messages": messages}
   if not isinstance(record.get("text"), str):
-    report.reject("missing_text", where)
+    fields = ", ".join(map(repr, sorted(record)[:_FIELDS_SHOWN])) or "none"
+    report.reject("missing_text", f"{where} (a `text` string or chat `messages` needed; its "
+                                  f"fields: {fields})")
     return None
   if not _encodable(record["text"]):
     report.reject("bad_unicode", where)

@@ -377,6 +377,9 @@ class DataDirWriter:
       self.staging.write(PROMPTS, "".join(json.dumps(p) + "\n" for p in self.prompts).encode())
     if model_proto is not None:
       self.staging.write("tokenizer.model", model_proto)
+    listed = getattr(report, "rejected_list", None)
+    if listed is not None:
+      self.staging.write(store.REMOVED, listed.lines())
     return self.staging.commit(_manifest(index, report, special, vocab_size))
 
 

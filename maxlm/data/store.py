@@ -8,6 +8,8 @@ Layout of a data dir (local or gs://):
                         training documents grouped by source; memory-mapped (index_files.py)
   doc_ids.bin           the document ids, verbatim, as a string table (index_files.DocIds)
   tokenizer.model       the SentencePiece model
+  removed.jsonl         every document prepare did not keep: {id, source, step, rule} (or
+                        "where" for an input reject), as --rejected lists them; `maxlm docs`
   manifest.json         per-source and per-reject-reason counts, tokenizer facts, and `files`:
                         every other file's size and sha256, with their `fingerprint`; written
                         last, and checked against the files whenever the dir is opened (see
@@ -35,6 +37,7 @@ from maxlm import MaxlmError, io
 from maxlm.data import datadir, index_files
 
 TRAIN, VAL = 0, 1
+REMOVED = "removed.jsonl"
 SHARD_TOKENS = 1 << 26
 
 

@@ -73,9 +73,10 @@ def check_same_data(config, data, meta, step_no, log, reader=False):
     return saved
   if not config.data.allow_changed:
     raise MaxlmError(f"checkpoint {step_no} was trained on other data than {config.data.dir} "
-                     f"holds now (fingerprint {saved[:16]} there, {now[:16]} here): resume "
-                     "on the data it was trained on, or set data.allow_changed=true if the "
-                     "change is intended")
+                     f"holds now (fingerprint {saved[:16]} there, {now[:16]} here): for a new "
+                     f"run on this data pass a new run_dir= (this one is {config.run_dir}); "
+                     "to go on with this run, resume on the data it was trained on, or set "
+                     "data.allow_changed=true if the change is intended")
   log(f"data changed since checkpoint {step_no} ({saved[:16]} -> {now[:16]}); continuing "
       "because data.allow_changed is set")
   return saved

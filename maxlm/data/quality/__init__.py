@@ -41,7 +41,7 @@ import difflib
 import math
 
 from maxlm.data import pairs
-from maxlm.data.quality import kinds as kinds_lib, lang, lines, minhash, rules
+from maxlm.data.quality import kinds as kinds_lib, lang, lines, minhash, prose, rules
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml
 
 MAX_PERM = 4096  # MinHash functions: memory and time grow with them, 128 is the usual
@@ -169,8 +169,11 @@ class Inspector:
                "nbytes_in": len(whole.encode()), "nchars_in": len(whole)}
     doc["verdict"] = verdict
     accepted = self.config.langs_for(doc["source"])
+    judged = prose.prose_only(whole) if kind == "prose" else whole
+    if kind == "prose" and rules.word_count(judged) < self.config.thresholds.gopher_min_words:
+      return self._dedup_keys(doc, whole)  # too short to judge (prose.py says why)
     if kind != "code" and "any" not in accepted:
-      verdict["lang"], verdict["lang_score"] = lang.identify(whole)
+      verdict["lang"], verdict["lang_score"] = lang.identify(judged)
       if verdict["lang"] not in accepted:
         verdict.update(step="language", rule=f"lang_{verdict['lang']}")
         return doc
@@ -178,24 +181,30 @@ class Inspector:
         verdict.update(step="language", rule="lang_min_score")
         return doc
     if self.config.filters and kind in ("web", "prose", "code"):
-      rule, step = self._filters(doc, verdict)
+      rule, step = self._filters(doc, verdict, judged)
       if rule:
         verdict.update(step=step, rule=rule)
         return doc
       whole = doc["text"]
+    return self._dedup_keys(doc, whole)
+
+  def _dedup_keys(self, doc, whole):
+    verdict = doc["verdict"]
     if self.config.dedup:
-      normalized = minhash.normalize(whole, kind)
+      normalized = minhash.normalize(whole, doc["kind"])
       verdict["exact"] = minhash.exact_key(normalized)
       sig = minhash.signature(minhash.shingles(normalized, self.config.shingle_words),
                               self.perms)
       verdict["sig"], verdict["bands"] = sig, self.bander.keys(sig)
     return doc
 
-  def _filters(self, doc, verdict):
+  def _filters(self, doc, verdict, judged):
+    """(rule, step) of the first of steps 2-5 that removes the document, or (None, ...);
+    `judged` is the text the prose rules see (a prose document's prose, prose.py)."""
     t = self.config.thresholds
     if doc["kind"] == "code":
       return rules.code_rules(doc["text"], t), "code"
-    text = doc["text"]
+    text = judged
     if doc["kind"] == "web":
       cleaned, rule, dropped = lines.clean(text, t)
       if rule:
@@ -206,4 +215,6 @@ class Inspector:
     rule = rules.gopher_quality(text, t)
     if rule:
       return rule, "quality"
+    if doc["kind"] == "prose":
+      t = prose.repetition_thresholds(t)
     return rules.gopher_repetition(text, t), "repetition"

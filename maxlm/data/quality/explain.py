@@ -11,7 +11,7 @@ import dataclasses
 
 from maxlm import MaxlmError
 from maxlm import io
-from maxlm.data import store, tokenizer
+from maxlm.data import doclist, store, tokenizer
 from maxlm.data.quality import Inspector, QualityConfig, lines
 from maxlm.typed_yaml import build
 
@@ -21,8 +21,12 @@ def doc_number(data_dir, doc_id):
   try:
     return ids.index(doc_id)
   except ValueError:
-    raise MaxlmError(f"{data_dir} holds no document {doc_id!r} (it was rejected, or the id is "
-                     "another; --rejected FILE.jsonl at prepare lists the rejected)") from None
+    gone = doclist.removed_row(data_dir, doc_id)
+    if gone is not None:
+      raise MaxlmError(f"document {doc_id!r} was removed by {gone['step']}/{gone['rule']}: "
+                       f"`maxlm show-doc {data_dir} {doc_id} --diff INPUT...` shows why") from None
+    raise MaxlmError(f"{data_dir} holds no document {doc_id!r}: `maxlm docs {data_dir} --grep "
+                     "PART` lists the ids") from None
 
 
 def kept_text(data_dir, doc_id):

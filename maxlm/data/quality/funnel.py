@@ -20,6 +20,7 @@ characters that survived line cleaning.
 import collections
 import json
 import os
+import tempfile
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from maxlm.data.quality import STEPS
 
 LOST_BYTES = 0.5  # a source losing more than this share of its bytes is warned about
 KEPT_CHARS = 0.8  # ... or whose kept documents keep less than this on median
+SPOOL_BYTES = 64 * 2**20  # the removed list kept in memory up to this, in a temporary file beyond
 _BINS = 1000
 _EXAMPLES = 5
 
@@ -152,14 +154,18 @@ _FIXES = {
              "for source code)",
     "language": "--lang {s}=CODES accepts its languages (--lang {s}=any skips language ID), "
                 "or --kind {s}=code if it is source code",
-    "quality": "--kind {s}=code if it is source code, else --filter THRESHOLD=VALUE loosens "
-               "the rule (docs/data.md)",
+    "quality": "if {s} is your own documents, not crawled pages, --kind {s}=prose judges only "
+               "their prose and keeps short ones; --kind {s}=code if it is source code; else "
+               "--filter THRESHOLD=VALUE loosens the rule (docs/data.md)",
+    "quality/prose": "--filter THRESHOLD=VALUE loosens the rule, and `maxlm show-doc` with "
+                     "--diff shows a removed document (docs/data.md)",
     "code": "--filter THRESHOLD=VALUE loosens the code rule (docs/data.md)",
     "exact_dup": "it repeats documents (its own or an earlier source's); --dedup off keeps "
                  "copies",
     "over_long": "--max-pair-len N fits longer pairs",
 }
 _FIXES["repetition"] = _FIXES["quality"]
+_FIXES["repetition/prose"] = _FIXES["quality/prose"]
 _FIXES["near_dup"] = _FIXES["exact_dup"]
 
 
@@ -178,9 +184,12 @@ def warnings(funnel):
                        default=("?", {"bytes": 0}))
     shown = f" (kept documents keep {median:.0%} of their characters on median)" \
         if median is not None and median < KEPT_CHARS else ""
+    step = rule.split("/")[0]
+    kinds = c.get("kinds") or {"web": 1}
+    kind = max(kinds, key=kinds.get)
+    fix = _FIXES.get(f"{step}/{kind}") or _FIXES.get(step, "see docs/data.md")
     out.append(f"source {name!r} lost {lost:.0%} of its bytes{shown}, most to {rule} "
-               f"({counts['bytes'] / total:.0%}): "
-               + _FIXES.get(rule.split("/")[0], "see docs/data.md").format(s=name))
+               f"({counts['bytes'] / total:.0%}): " + fix.format(s=name))
   return out
 
 
@@ -264,7 +273,9 @@ class Rejected:
   instead of an id when their record could not be read. Written whole or not at all: the lines
   go to a temporary file beside it, renamed to `path` by `close()`; `discard()` (prepare
   failed) removes it. A path that is not a regular file (/dev/stdout, a fifo) is written as it
-  is. A write that fails (a full disk) is one line naming the file."""
+  is. A write that fails (a full disk) is one line naming the file. The same lines are kept
+  for the data dir's own removed.jsonl (`lines()`, which `maxlm docs` reads), in memory up to
+  SPOOL_BYTES and in a temporary file beyond."""
 
   def __init__(self, path):
     self.path = path
@@ -272,6 +283,24 @@ class Rejected:
     if path and os.path.exists(path) and not os.path.isfile(path):
       self.tmp = path  # /dev/stdout, a fifo: written as it is, never replaced
     self.file = self._do(open, self.tmp, "w") if path else None
+    self.kept = tempfile.SpooledTemporaryFile(SPOOL_BYTES, "w+b")
+
+  def lines(self):
+    """Every line written so far, as bytes (the data dir's removed.jsonl)."""
+    self.kept.seek(0)
+    data = self.kept.read()
+    self.kept.seek(0, os.SEEK_END)
+    return data
+
+  def _line(self, row):
+    line = json.dumps(row, ensure_ascii=False) + "\n"
+    try:
+      self.kept.write(line.encode())
+    except OSError as e:
+      raise MaxlmError(f"cannot keep the list of removed documents in {tempfile.gettempdir()} "
+                       f"({e.strerror or e}); free space there or set TMPDIR") from None
+    if self.file is not None:
+      self._do(self.file.write, line)
 
   def _do(self, fn, *args):
     try:
@@ -283,19 +312,14 @@ class Rejected:
                        "or write it elsewhere") from None
 
   def write(self, doc, step, rule, duplicate_of=None):
-    if self.file is None:
-      return
     row = {"id": doc["id"], "source": doc["source"], "step": step, "rule": rule}
     if duplicate_of is not None:
       row["duplicate_of"] = duplicate_of
-    self._do(self.file.write, json.dumps(row, ensure_ascii=False) + "\n")
+    self._line(row)
 
   def write_input(self, reason, where):
     """A document rejected before the quality steps, by `documents.Report`."""
-    if self.file is not None:
-      self._do(self.file.write, json.dumps({"id": None, "where": where, "source": None,
-                                            "step": "input", "rule": reason},
-                                           ensure_ascii=False) + "\n")
+    self._line({"id": None, "where": where, "source": None, "step": "input", "rule": reason})
 
   def close(self):
     """Puts the whole list at its path (a no-op after `discard`)."""
@@ -306,6 +330,7 @@ class Rejected:
       self.file = None
 
   def discard(self):
+    self.kept.close()
     if self.file is not None:
       file, self.file = self.file, None
       try:

@@ -114,6 +114,11 @@ def _is_punct(c):
   return c in SYMBOLS or unicodedata.category(c)[0] == "P" or ord(c) < 32 or 127 <= ord(c) < 160
 
 
+def word_count(text):
+  """Words with a non-punctuation character, as gopher_min_words counts them."""
+  return sum(map(_has_non_punct, text.split()))
+
+
 def gopher_quality(text, t):
   """Gopher's document rules with the reference implementation's arithmetic: word counts and
   the mean length are over words with a non-punctuation character; the hash and ellipsis

@@ -1,0 +1,71 @@
+"""`maxlm docs DATA_DIR`: the ids of a data dir's documents, so they can be found and passed to
+`show-doc` and `trace`.
+
+A kept document's row comes from the doc index (its source, tokens and split: `train` or
+`held out`); a removed one's from the data dir's removed.jsonl (the step and rule that removed
+it; input rejects, which have no id, are named by where they were read). Data dirs prepared
+before removed.jsonl existed list their kept documents only, and say so.
+"""
+
+import json
+import re
+
+from maxlm import MaxlmError, io
+from maxlm.data import store
+
+KEPT, REMOVED = "kept", "removed"
+
+
+def rows(data_dir, source=None, pattern=None, which=(KEPT, REMOVED)):
+  """Yields {id, source, tokens, status} for each document whose source is `source` (any if
+  None) and whose id matches the regular expression `pattern` (any if None)."""
+  store.load_manifest(data_dir)  # a data dir, and one whose files match their manifest
+  match = _matcher(pattern)
+  if KEPT in which:
+    index, ids = store.load_index(data_dir), store.load_doc_ids(data_dir)
+    if source is not None and source not in index.sources:
+      raise MaxlmError(f"--source {source!r}: {data_dir} has sources "
+                       f"{', '.join(index.sources)}")
+    for i in range(len(ids)):
+      name = index.sources[index.source[i]]
+      if (source is None or name == source) and match(ids[i]):
+        yield {"id": ids[i], "source": name, "tokens": int(index.length[i]),
+               "status": "held out" if index.split[i] == store.VAL else "train"}
+  if REMOVED in which:
+    for row in removed(data_dir) or ():
+      doc_id = row["id"] if row["id"] is not None else row.get("where", "?")
+      if (source is None or row["source"] == source) and match(doc_id):
+        yield {"id": doc_id, "source": row["source"], "tokens": None,
+               "status": f"removed: {row['step']}/{row['rule']}"}
+
+
+def removed(data_dir):
+  """The rows of removed.jsonl, or None for a data dir prepared before it existed."""
+  path = io.join(data_dir, store.REMOVED)
+  if not io.exists(path):
+    return None
+  return [json.loads(line) for line in io.read_bytes(path).decode().splitlines() if line]
+
+
+def removed_row(data_dir, doc_id):
+  """The removed.jsonl row of `doc_id`, or None."""
+  return next((r for r in removed(data_dir) or () if r["id"] == doc_id), None)
+
+
+def _matcher(pattern):
+  if pattern is None:
+    return lambda _: True
+  try:
+    found = re.compile(pattern).search
+  except re.error as e:
+    raise MaxlmError(f"--grep {pattern!r}: not a regular expression ({e})") from None
+  return lambda doc_id: found(doc_id) is not None
+
+
+def format_rows(found):
+  """Lines of a table: id, source, tokens, status."""
+  lines = [f"{'tokens':>9}  {'source':<14} {'status':<34} id"]
+  for r in found:
+    tokens = f"{r['tokens']:,}" if r["tokens"] is not None else "-"
+    lines.append(f"{tokens:>9}  {r['source'] or '-':<14} {r['status']:<34} {r['id']}")
+  return lines
