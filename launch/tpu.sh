@@ -105,11 +105,10 @@ hosts="$(hosts_for "$accelerator")"
 common=(--zone "$zone")
 [[ -z "$project" ]] || common+=(--project "$project")
 
-# Runs a command, or with --dry-run prints it shell-quoted.
+# Runs a command, or with --dry-run prints it as you would type it (single quotes where needed).
 run() {
   if [[ "$dry_run" == 1 ]]; then
-    printf '%q ' "$@" | sed 's/ $//'
-    echo
+    python3 -c 'import shlex, sys; print(shlex.join(sys.argv[1:]))' "$@"
   else
     "$@"
   fi

@@ -40,6 +40,10 @@ class _Parser(argparse.ArgumentParser):
     kw.setdefault("formatter_class", _Help)
     super().__init__(*args, **kw)
 
+  def error(self, message):
+    """One line, as every other refusal (argparse would print the whole usage first)."""
+    self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
+
 
 def _describe(sub):
   """A subcommand without a description shows its one-line help atop its --help."""

@@ -112,7 +112,8 @@ def _train_with_one_kill(config_path, run_dir, cfg):
     if proc.poll() is None:
       proc.send_signal(signal.SIGKILL)
       proc.wait()
-      print(f"\n      SIGKILL after step {len(metrics.read_jsonl(str(run_dir)))}; resuming")
+      done = [r["step"] for r in metrics.read_jsonl(str(run_dir)) if "loss" in r]
+      print(f"\n      SIGKILL after step {max(done, default=-1)} (as printed); resuming")
   if len({r["step"] for r in metrics.read_jsonl(str(run_dir))}) < total or not (
       run_dir / "checkpoints").exists():
     _wait(subprocess.Popen(command))
@@ -126,7 +127,7 @@ def _train_with_one_kill(config_path, run_dir, cfg):
           row["loss"], row["fingerprint"])
     else:
       first[row["step"]] = row
-  if repeats:
+  if repeats and not logged:  # killed and resumed in this call, not an earlier one
     verdict = "bit for bit identical" if same == repeats else "DIFFERENT"
     print(f"      {repeats} steps were recomputed after the kill: losses and batches "
           f"{verdict}")

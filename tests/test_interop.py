@@ -77,6 +77,8 @@ def test_export_writes_a_llama_folder(trained):
   assert hf["maxlm"] == {"stage": 1, "seq_len": 64, "global_step": 6}
   gen = json.loads((out / "generation_config.json").read_text())
   assert gen["eos_token_id"] == tok_lib.EOS and gen["do_sample"] is False
+  modes = {p.suffix: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+  assert modes[".safetensors"] == modes[".json"]  # readable by whoever reads the configs
   index = json.loads((out / "model.safetensors.index.json").read_text())
   files = sorted(set(index["weight_map"].values()))
   assert len(files) > 1 and files == sorted(p.name for p in out.glob("model-*.safetensors"))

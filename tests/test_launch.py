@@ -191,10 +191,31 @@ def test_slurm_tasks_get_coordinator_count_and_index(nodelist, tasks, head):
                         "distributed=true"]
 
 
-def test_slurm_outside_a_job_says_so():
+def test_slurm_outside_a_job_says_so_and_its_dry_run_assumes_the_default_nodes():
   _, err = script("launch/slurm.sbatch", "configs/x.yaml", ok=False,
                   env={"SLURM_JOB_NODELIST": ""})
   assert "sbatch" in err
+  lines, _ = script("launch/slurm.sbatch", "--dry-run", "configs/x.yaml",
+                    env={"SLURM_JOB_NODELIST": "", "SLURM_NNODES": "", "SLURM_NTASKS": ""})
+  assert lines[0][:6] == ["(not", "inside", "a", "SLURM", "job:", "assuming"]
+  assert [task[4] for task in lines[2:]] == ["MAXLM_PROCESS_ID=0", "MAXLM_PROCESS_ID=1"]
+
+
+@pytest.mark.parametrize("path", SCRIPTS)
+def test_every_script_answers_help_with_its_usage(path):
+  proc = subprocess.run(["bash", os.path.join(ROOT, path), "--help"], capture_output=True,
+                        text=True, cwd=ROOT, timeout=HANG_S)
+  assert proc.returncode == 0 and proc.stdout.count(path) >= 2, proc.stdout + proc.stderr
+  assert not proc.stderr and "#" not in proc.stdout.split("\n")[0]
+
+
+def test_dry_runs_print_commands_as_one_would_type_them():
+  """Single quotes around an argument with spaces, not a backslash before each space."""
+  proc = subprocess.run(["bash", os.path.join(ROOT, "launch/gpu.sh"), "install", "--dry-run"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=HANG_S)
+  check = proc.stdout.splitlines()[1]
+  assert check.startswith("python3 -c 'import jax; assert jax.default_backend() == \"gpu\"")
+  assert "\\ " not in proc.stdout
 
 
 JOIN = """

@@ -105,12 +105,12 @@ def test_train_on_a_terminal_says_what_it_does(tmp_path, data_dir):
   text = b"".join(chunks).decode().replace("\r\n", "\n")
   lines = text.split("\n")
   for phase in ("opening ", "looking for checkpoints in ", "initializing the parameters",
-                "compiling the stage-0 step (L=32, batch 8) and running step 1",
-                "compiling the stage-1 step (L=64, batch 8) and running step 1"):
+                "compiling the stage-0 step (L=32, batch 8) and running step 0",
+                "compiling the stage-1 step (L=64, batch 8) and running step 6"):
     assert re.search(rf"^{re.escape(phase)}.*\.\.\. \d+\.\d s", text.replace("\r", "\n"),
                      re.M), f"no line for {phase!r}:\n{text}"
-  stop = [line for line in lines if "stopped after step 8" in line]
-  assert len(stop) == 1 and stop[0].startswith("stopped after step 8"), text
+  stop = [line for line in lines if "stopped after step 7" in line]  # its 8th: 0-based
+  assert len(stop) == 1 and stop[0].startswith("stopped after step 7"), text
   assert re.search(r"ETA \d+:\d\d", text) and "ETA --:--" in text  # none until steady state
   # the progress line's step numbers are metrics.jsonl's (and `maxlm trace --step`'s)
   shown = re.findall(r"step (\d+)/10 \(stage (\d) step (\d+)/\d+\) loss (\d+\.\d{4})", text)

@@ -211,12 +211,20 @@ def _write_weights(folder, source, dtype, shard_bytes):
       tensors[n] = np.ascontiguousarray(array.astype(_dtype(n, dtype), copy=False))
       weight_map[n] = file
     save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
+    _readable(os.path.join(folder, file))
     del tensors
   total = sum(size.values())
   if len(files) > 1:
     _dump(os.path.join(folder, "model.safetensors.index.json"),
           {"metadata": {"total_size": total}, "weight_map": weight_map})
   return files, total
+
+
+def _readable(path):
+  """The mode every other exported file has (safetensors writes 0600, through a temp file)."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
 
 
 def _dtype(name, dtype):

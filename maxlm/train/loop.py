@@ -107,7 +107,7 @@ def _run(config, data, vocab, run_dir, ckpts, writer, held, stop_after, lookahea
         pause.maybe_wait(g, preempt)  # MAXLM_PAUSE_AFTER: tests and verify-restart only
         if stop:
           ckpts.wait()
-          log(f"stopped after step {g + 1} ({preempt.reason() or 'stop_after'}); "
+          log(f"stopped after step {g} ({preempt.reason() or 'stop_after'}); "
               f"checkpoint {g + 1} saved: rerun the same command to resume")
           return {**start.summary, "stopped": True, "step": g + 1}
     ckpts.wait()

@@ -19,6 +19,7 @@ from maxlm.data import ledger, plan
 from maxlm.eval import bpb, positions
 from maxlm.model import moe_state
 from maxlm.parallel import distributed, mesh as mesh_lib
+from maxlm.train import schedule
 
 _WARNED_SMALL = set()  # run dirs whose small held-out sets this process has named
 
@@ -43,8 +44,9 @@ class Steps:
     if self.ahead is None:
       batch = next(self.it)
       self.t0 = time.perf_counter()
+      g = schedule.Schedule(self.config).offset(self.s) + k  # as progress lines number it
       with (self.log.phase(f"compiling the stage-{self.s} step (L={stage.seq_len}, batch "
-                           f"{stage.batch}) and running step {k + 1}") if k == self.k0
+                           f"{stage.batch}) and running step {g}") if k == self.k0
             else contextlib.nullcontext()):
         state, m = self._dispatch(state, batch)
         if k == self.k0:
