@@ -185,7 +185,7 @@ def _show_funnel(manifest, png=None, title="prepare funnel", warnings=True):
 
 
 def cmd_config(args):
-  from maxlm import starter
+  from maxlm.data import starter
   seq_lens = _int_list("--seq-len", args.seq_len)
   opts = starter.Options(size=args.size, seq_lens=seq_lens, tokens_per_step=args.tokens_per_step,
                          epochs=args.epochs, mix=args.mix, run_dir=args.run_dir)

@@ -1,4 +1,4 @@
-"""`maxlm config DATA_DIR` (maxlm/starter.py): a starting config that trains on every source of
+"""`maxlm config DATA_DIR` (maxlm/data/starter.py): a starting config that trains on every source of
 the data, FIM on code, stages sized to the data; and its refusals."""
 
 import json
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from maxlm import config as config_lib, starter
+from maxlm import config as config_lib
+from maxlm.data import starter
 
 import datagen
 import realtext
