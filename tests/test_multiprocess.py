@@ -14,6 +14,7 @@ bits of float32 (relative 1e-6).
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -174,7 +175,7 @@ def test_preemption_of_process_1_saves_one_step_on_both_then_resumes_on_1_then_o
     assert code == 0, err[-2000:]
     (line,) = [x for x in out.splitlines() if x.startswith("stopped after step")]
     assert "all 2 processes agreed on" in line
-    stops.append(int(line.split()[3]))
+    stops.append(int(re.search(r"checkpoint (\d+) saved", line)[1]))
   # both paused after step 1 (call counter 2) when the notice came: the agreed stop is the next
   (step,) = set(stops)
   assert step == 3 and os.path.isdir(run_dir / "checkpoints" / str(step))
