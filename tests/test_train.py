@@ -4,15 +4,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import pytest
-import yaml
 
 from maxlm import MaxlmError, config as config_lib
-from maxlm.train import metrics, optimizer, plot, verify
+from maxlm.train import metrics, optimizer, plot
 
 from limits import HANG_S
 from smallrun import ROOT, maxlm, small_config  # the data_dir fixture: tests/conftest.py
@@ -155,26 +153,12 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_verify_restart_with_three_kills_and_a_corrupt_checkpoint(tmp_path, demo_data,
-                                                                 monkeypatch):
-  assert "device_count=8" in os.environ["XLA_FLAGS"]  # the subprocesses inherit 8 devices
-  shorter = [f"data.dir={demo_data}", "model.size=tiny", "stages.0.steps=5", "stages.0.batch=8",
-             "stages.1.steps=4", "stages.2.steps=3", "stages.2.batch=8",
-             "train.checkpoint_every=3", "train.eval_every=0"]
-  lines = []
-  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its temporary work dir goes
-  assert verify.verify(str(ROOT / "configs" / "demo.yaml"), shorter, kills=3,
-                       log=lines.append, corrupt=True)
-  assert any("corrupted and caught" in line for line in lines), lines
-  assert lines[-1].endswith("removed") and not list(tmp_path.glob("maxlm-verify-*")), lines
-
-
-@pytest.mark.slow
 def test_loss_falls_well_below_uniform_on_the_demo_corpus(tmp_path, demo_data):
   manifest = json.loads((demo_data / "manifest.json").read_text())
   env = {**os.environ, "XLA_FLAGS": xlaflags.flags()}  # one CPU device, as a user
   proc = maxlm("train", "configs/demo.yaml", f"data.dir={demo_data}",
-               f"run_dir={tmp_path / 'run'}", "train.eval_every=0", "model.size=tiny", env=env)
+               f"run_dir={tmp_path / 'run'}", "train.eval_every=0", "model.size=tiny",
+               "stages.2.steps=4", env=env)  # its first two stages, and a taste of the third
   assert proc.returncode == 0, proc.stderr
   losses = [r["loss"] for r in metrics.read_jsonl(str(tmp_path / "run"))]
   uniform = np.log(manifest["vocab_size"])

@@ -4,6 +4,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -173,7 +174,11 @@ def test_ladder_errors():
 
 
 @pytest.mark.slow
-def test_verify_restart_kills_across_dense_warmup_sparse(tmp_path, demo_data):
+def test_verify_restart_kills_across_dense_warmup_sparse_and_catches_a_corrupt_checkpoint(
+    tmp_path, demo_data, monkeypatch):
+  """`maxlm verify-restart --kills 3 --corrupt` on the demo's three stages made dense, indexer
+  warm-up and sparse: the proof every other restart test leans on, run once."""
+  assert "device_count=8" in os.environ["XLA_FLAGS"]  # the subprocesses inherit 8 devices
   shorter = [f"data.dir={demo_data}", "model.size=tiny", "stages.0.steps=4", "stages.1.steps=4",
              "stages.2.steps=4", "stages.2.seq_len=256", "stages.2.batch=8",
              "train.checkpoint_every=2", "train.eval_every=0",
@@ -181,9 +186,12 @@ def test_verify_restart_kills_across_dense_warmup_sparse(tmp_path, demo_data):
              "stages.2.sparse.mode=sparse", "stages.2.sparse.topk=32",
              "stages.2.sparse.block=16"]
   lines = []
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its temporary work dir goes
   assert verify.verify(str(ROOT / "configs" / "demo.yaml"), shorter, kills=3,
-                       workdir=str(tmp_path / "verify"), log=lines.append)
+                       log=lines.append, corrupt=True)
   # each resume compared bitwise (params and optimizer state at the end); SIGKILLs land
   # mid-stage, at a stage boundary and during a save (here: steps 4, 7, about 9 of 0..11),
   # every one of them: each job pauses where it is to be killed
   assert sum("(killed)" in line for line in lines) == 3, lines
+  assert any("corrupted and caught" in line for line in lines), lines
+  assert lines[-1].endswith("removed") and not list(tmp_path.glob("maxlm-verify-*")), lines
