@@ -118,7 +118,8 @@ def cmd_eval(args):
   passkey = long_eval.Passkey(lengths=args.passkey_lengths, samples=args.passkey_samples,
                               seed=args.passkey_seed, png=args.passkey_png)
   extra = long_eval.evaluate(nll, data, config, s, mesh, model, params, budget, split,
-                             run_dir=args.run_dir, passkey=passkey if args.passkey else None)
+                             run_dir=args.run_dir, passkey=passkey if args.passkey else None,
+                             moe_bias=collections.get("moe_bias"))
   if args.json:
     print(json.dumps(bpb.jsonable({
         "step": step, "stage": s, "seq_len": stage.seq_len, "split": args.split,

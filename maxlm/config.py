@@ -175,6 +175,20 @@ class DpoConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PasskeyEvalConfig:
+  """The passkey grid at each evaluation (maxlm/eval/passkey.py; `maxlm eval --passkey`)."""
+  samples: int = 0  # >= 0; prompts per (length, depth) cell (0: no grid)
+  lengths: tuple[int, ...] = ()  # each >= 128; those up to the stage's L (empty: powers of 2)
+  seed: int = 0  # >= 0; chooses the keys and haystacks
+
+  def check(self, key):
+    _at_least(f"{key}.samples", self.samples, 0)
+    _at_least(f"{key}.seed", self.seed, 0)
+    for i, n in enumerate(self.lengths):
+      _at_least(f"{key}.lengths.{i}", n, 128)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   lr: float = 3e-3  # > 0; peak learning rate
   min_lr_ratio: float = 0.1  # in [0, 1]; the schedule ends at lr * min_lr_ratio
@@ -195,6 +209,7 @@ class TrainConfig:
   keep: int = 3  # >= 1; checkpoints kept
   eval_every: int = 50  # >= 0; steps between held-out evaluations (0: none; see maxlm eval)
   eval_tokens: int = 32768  # >= 1; held-out tokens per source, the same text at every evaluation
+  eval_passkey: PasskeyEvalConfig = PasskeyEvalConfig()  # logged as passkey/LENGTH/DEPTH
   async_checkpoints: bool = True  # write checkpoints in the background while training goes on
   spike_window: int = 32  # >= 0; trailing steps whose loss statistics flag a spike (0: off)
   spike_sigmas: float = 6.0  # > 0; a spike: loss > mean + spike_sigmas * std of that window
@@ -210,6 +225,7 @@ class TrainConfig:
       raise ConfigError(f"{key}.objective: expected lm, dpo or grpo, got {self.objective!r}")
     self.dpo.check(f"{key}.dpo")
     self.grpo.check(f"{key}.grpo")
+    self.eval_passkey.check(f"{key}.eval_passkey")
     _in_range(f"{key}.min_lr_ratio", self.min_lr_ratio, 0, 1)
     _in_range(f"{key}.decay_fraction", self.decay_fraction, 0, 1)
     _in_range(f"{key}.b1", self.b1, 0, 1, high_open=True)

@@ -123,3 +123,28 @@ def test_passkey_lengths_default_to_powers_of_two_up_to_the_stage_and_bad_ones_a
       long_eval.lengths(bad, 1024)
   with pytest.raises(MaxlmError, match="shorter than"):
     long_eval.lengths(None, 64)
+
+
+def test_training_logs_the_grid_maxlm_eval_scores_and_the_plot_draws_it(demo_data, tmp_path,
+                                                                          here):
+  """train.eval_passkey: the grid in metrics.jsonl at each evaluation is the one `maxlm eval
+  --passkey` scores on the same checkpoint with the same prompts."""
+  from maxlm.train import metrics, plot
+  run = tmp_path / "run"
+  proc = here("train", "configs/demo.yaml", f"data.dir={demo_data}", f"run_dir={run}",
+              "model.size=tiny", "stages=[{seq_len: 256, batch: 8, steps: 2}]",
+              "train.eval_every=2", "train.eval_tokens=512", "train.eval_passkey.samples=1",
+              "train.eval_passkey.lengths=[128, 256, 1024]")
+  assert proc.returncode == 0, proc.stderr
+  (row,) = [r for r in metrics.read_jsonl(str(run)) if "val_loss" in r]
+  logged = {k: v for k, v in row.items() if k.startswith("passkey/")}
+  assert {k.split("/")[1] for k in logged} == {"128", "256"}  # 1024 > the stage's L
+  proc = here("eval", run, "--passkey", "--passkey-samples", "1",
+              "--passkey-lengths", "128,256", "--json", "--tokens", "512")
+  assert proc.returncode == 0, proc.stderr
+  grid = __import__("json").loads(proc.stdout)["passkey"]
+  assert passkey.as_metrics(grid) == logged
+  fig = plot.figure(metrics.read_jsonl(str(run)))
+  assert any(ax.get_title(loc="left").startswith("passkey retrieval") for ax in fig.axes)
+  bad = here("train", "configs/demo.yaml", "train.eval_passkey.lengths=[64]")
+  assert bad.returncode == 2 and "train.eval_passkey.lengths.0" in bad.stderr

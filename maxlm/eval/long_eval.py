@@ -53,7 +53,7 @@ def lengths(requested, seq_len):
 
 
 def evaluate(nll, data, config, s, mesh, model, params, budget, split, *, run_dir,
-             passkey=None):
+             passkey=None, moe_bias=None):
   """{"positions": {...}, "passkey": {...} when `passkey` (a Passkey) is given}; writes the
   heatmap."""
   from maxlm.eval import positions
@@ -63,7 +63,7 @@ def evaluate(nll, data, config, s, mesh, model, params, budget, split, *, run_di
   if passkey is not None:
     if passkey.samples < 1:
       raise MaxlmError(f"--passkey-samples must be >= 1, got {passkey.samples}")
-    grid = passkey_grid(passkey, data, config, s, mesh, model, params, split)
+    grid = passkey_grid(passkey, data, config, s, mesh, model, params, split, moe_bias)
     png = passkey.png or io.join(run_dir, "passkey.png")
     from maxlm.eval import passkey as passkey_lib
     passkey_lib.save_png(grid, png, f"{run_dir}: stage {s} (L={stage.seq_len}), "
@@ -72,28 +72,45 @@ def evaluate(nll, data, config, s, mesh, model, params, budget, split, *, run_di
   return out
 
 
-def passkey_grid(options, data, config, s, mesh, model, params, split):
+def passkey_grid(options, data, config, s, mesh, model, params, split, moe_bias=None):
   """{length: {depth: accuracy}} of the Passkey `options` on `split`'s held-out text."""
   import jax
+  from maxlm.eval import passkey
+  stage = config.stages[s]
+  prompts = passkey_prompts(lengths(options.lengths, stage.seq_len), options.samples,
+                            options.seed, data, config, split)
+  predict = passkey_predictor(jax.jit(passkey.make_predict(model, config.rules)), mesh, config)
+  return passkey.score(lambda batch, where: predict(params, batch, where, moe_bias), prompts,
+                       stage.seq_len, stage.batch)
+
+
+def passkey_prompts(prompt_lengths, samples, seed, data, config, split=None):
+  """The passkey prompts (maxlm/eval/passkey.py) of these lengths on the held-out text."""
   from maxlm.data import store, tokenizer
   from maxlm.eval import passkey
-  from maxlm.parallel import mesh as mesh_lib
-  stage = config.stages[s]
+  split = store.VAL if split is None else split
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   stream = passkey.haystack_tokens(data, split)
   if not len(stream):
     name = "val" if split == store.VAL else "train"
-    raise MaxlmError(f"--passkey: the data has no {name} text to build haystacks from")
-  prompts = passkey.build(sp.encode, data.special.bos, stream,
-                          lengths(options.lengths, stage.seq_len), samples=options.samples,
-                          seed=options.seed)
-  fn = jax.jit(passkey.make_predict(model, config.rules))
+    raise MaxlmError(f"passkey: the data has no {name} text to build haystacks from")
+  return passkey.build(sp.encode, data.special.bos, stream, prompt_lengths, samples=samples,
+                       seed=seed)
 
-  def predict(batch, where):
+
+def passkey_predictor(fn, mesh, config):
+  """predict(params, batch, where, moe_bias) -> argmax ids on every process, from the jitted
+  passkey.make_predict `fn`, each process giving its share of the rows."""
+  from maxlm.parallel import distributed, mesh as mesh_lib
+
+  def predict(params, batch, where, moe_bias=None):
+    mine = distributed.host_rows({**batch, "where": where})
+    where = mine.pop("where")
     with mesh:
-      return jax.device_get(fn(params, mesh_lib.place_batch(batch, mesh, config.rules),
-                               where))
-  return passkey.score(predict, prompts, stage.seq_len, stage.batch)
+      return distributed.gather_rows(fn(params, mesh_lib.place_batch(mine, mesh, config.rules),
+                                        mesh_lib.place_rows(where, mesh, config.rules),
+                                        moe_bias))
+  return predict
 
 
 def format_text(extra):

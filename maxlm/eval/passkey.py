@@ -141,8 +141,20 @@ def score(predict, prompts, seq_len, batch_rows):
   return grid
 
 
+def as_metrics(grid):
+  """metrics.jsonl keys of a grid: passkey/LENGTH/DEPTH, and passkey/LENGTH (the mean over
+  depths)."""
+  out = {}
+  for length, row in grid.items():
+    for depth, accuracy in row.items():
+      out[f"passkey/{length}/{depth}"] = accuracy
+    out[f"passkey/{length}"] = float(np.mean(list(row.values())))
+  return out
+
+
 def make_predict(model, rules):
-  """predict(params, batch, where) -> argmax ids [B, W] at positions `where` [B, W] (jit it)."""
+  """predict(params, batch, where, moe_bias=None) -> argmax ids [B, W] at positions `where`
+  [B, W] (jit it); `moe_bias` routes as training did (maxlm/model/moe_state.py)."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -150,9 +162,10 @@ def make_predict(model, rules):
   sp = model.settings.sparse
   indexed = sp is not None and sp.mode != "dense"
 
-  def predict(params, batch, where):
+  def predict(params, batch, where, moe_bias=None):
+    variables = {"params": params, **({"moe_bias": moe_bias} if moe_bias is not None else {})}
     with nn.logical_axis_rules(sharding.rules_list(rules)):
-      result = model.apply({"params": params}, batch["inputs"], batch["positions"],
+      result = model.apply(variables, batch["inputs"], batch["positions"],
                            batch["segment_ids"], mutable=["sparse"] if indexed else False)
     h, head, _ = result[0] if indexed else result
     h_sel = jnp.take_along_axis(h, where[..., None], axis=1)

@@ -54,3 +54,9 @@ def place_batch(batch, mesh, rules):
   sharding = batch_sharding(mesh, rules)
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
           for k, v in batch.items()}
+
+
+def place_rows(array, mesh, rules):
+  """This host's rows of an array whose other axes are not positions (sharded by row only)."""
+  sharding = NamedSharding(mesh, P(_axes(rules, "batch")))
+  return jax.make_array_from_process_local_data(sharding, np.asarray(array))

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from maxlm.data import ledger, plan
-from maxlm.eval import bpb, positions
+from maxlm.eval import bpb, long_eval, passkey, positions
 from maxlm.model import moe_state
 from maxlm.parallel import distributed, mesh as mesh_lib
 from maxlm.train import schedule
@@ -33,6 +33,7 @@ class Steps:
     self.it, self.it_start, self.lookahead, self.log, self.k0 = it, it_start, lookahead, log, k0
     self.evaluates = evaluates
     self.ahead = None  # (batch, metrics on device) of the next step, dispatched early
+    self._passkey = None  # (prompts, predict) once train.eval_passkey first runs
     self.t0 = None
 
   def _dispatch(self, state, batch):
@@ -81,7 +82,27 @@ class Steps:
       self.log(bpb.small_note(bpb.small_sources(table)))
     by_position = positions.by_position(nll, self.data, stage.seq_len, stage.batch,
                                         config.train.eval_tokens)
-    return {**bpb.as_metrics(table), **positions.as_metrics(by_position)}
+    return {**bpb.as_metrics(table), **positions.as_metrics(by_position),
+            **self._passkey_metrics(state)}
+
+  def _passkey_metrics(self, state):
+    """train.eval_passkey's grid at this stage's lengths, as passkey/... metrics ({} if off)."""
+    wanted = self.config.train.eval_passkey
+    if not wanted.samples:
+      return {}
+    stage = self.config.stages[self.s]
+    if self._passkey is None:  # the same prompts at every evaluation of the stage
+      L = stage.seq_len
+      prompt_lengths = [n for n in wanted.lengths if n <= L] or passkey.lengths_up_to(L)
+      prompts = long_eval.passkey_prompts(prompt_lengths, wanted.samples, wanted.seed,
+                                          self.data, self.config)
+      fn = jax.jit(passkey.make_predict(self.parts.model, self.config.rules))
+      self._passkey = prompts, long_eval.passkey_predictor(fn, self.parts.mesh, self.config)
+    prompts, predict = self._passkey
+    bias = state.get(moe_state.BIAS)
+    grid = passkey.score(lambda batch, where: predict(state["params"], batch, where, bias),
+                         prompts, stage.seq_len, stage.batch)
+    return passkey.as_metrics(grid)
 
 
 def loss_tokens(data, s, k, consumed):

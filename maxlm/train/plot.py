@@ -8,7 +8,9 @@ change moves the loss; red crosses on the steps training flagged as spikes, whic
 one curve per source across the stages from its `val_loss/<source>` / `val_bpb/<source>` keys:
 every evaluation scores the same text, maxlm/eval/bpb.py; a source with under
 bpb.SMALL_TOKENS tokens held out is flagged in the legend), learning rate, gradient and
-parameter norms, the largest attention logit, and MFU with tokens/s; last, when evaluations
+parameter norms, the largest attention logit, and MFU with tokens/s; then, when the run has
+them, the GRPO reward and the passkey accuracy per prompt length (train.eval_passkey: a
+model that reads its context climbs towards 1); last, when evaluations
 logged it, held-out loss against log position, one curve per stage
 (maxlm/train/plot_positions.py). Dashed lines mark stage boundaries, labelled with the stage's
 name (or index) and L. A resumed run logs recomputed
@@ -36,7 +38,8 @@ TITLES = {"loss": "training loss", "val_loss": "held-out loss per token",
           "val_bpb": "held-out bits per byte", "lr": "learning rate",
           "norms": "gradient and parameter norm", "max_logit": "largest attention logit",
           "mfu": "MFU and tokens/s",
-          "reward": "GRPO reward (mean over rollouts) and held-out pass@1"}
+          "reward": "GRPO reward (mean over rollouts) and held-out pass@1",
+          "passkey": "passkey retrieval accuracy by prompt length (mean over depths)"}
 
 
 def smoothing_span(n_steps):
@@ -94,7 +97,10 @@ def figure(rows, labels=None, title="", untrained=()):
   rows = step_rows(rows)
   labels = labels or {}
   extra = plot_positions.present(rows)  # its own x axis (position): not shared
-  panels = PANELS + (("reward",) if any("reward_mean" in r for r in rows) else ())
+  passkey_keys = sorted({k for r in rows for k in r if k.count("/") == 1
+                         and k.startswith("passkey/")}, key=lambda k: int(k.split("/")[1]))
+  panels = (PANELS + (("reward",) if any("reward_mean" in r for r in rows) else ())
+            + (("passkey",) if passkey_keys else ()))
   fig, axes = plt.subplots(len(panels) + extra, 1, figsize=(10, 2.4 * (len(panels) + extra)))
   if extra:
     plot_positions.draw(axes[-1], rows, labels)
@@ -116,6 +122,9 @@ def figure(rows, labels=None, title="", untrained=()):
   _mfu(ax_of["mfu"], rows)
   if "reward" in ax_of:  # a GRPO stage (maxlm/train/grpo.py)
     _lines(ax_of["reward"], rows, ("reward_mean", "eval_pass@1"))
+  if "passkey" in ax_of:  # train.eval_passkey (maxlm/eval/passkey.py)
+    _lines(ax_of["passkey"], rows, passkey_keys)
+    ax_of["passkey"].set_ylim(-0.05, 1.05)
   _stage_lines(axes, rows, labels)
   axes[-1].set_xlabel("step")
   fig.suptitle(title)
