@@ -95,6 +95,9 @@ def cmd_eval(args):
   from maxlm.train import open_run
   from maxlm.parallel import mesh as mesh_lib
   from maxlm.train import step as step_lib
+  from maxlm.eval import long_eval  # loss by position; retrieval grids with --passkey
+  if args.passkey:
+    long_eval.task_names(args.passkey_tasks)  # a typo before any work
   config, data, s, mesh, model, params, step, collections = open_run.open_run(args.run_dir)
   from maxlm import signals
   signals.pause_native()  # MAXLM_PAUSE_NATIVE: tests only
@@ -114,9 +117,9 @@ def cmd_eval(args):
   if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
   _mark_trained(config, table)
-  from maxlm.eval import long_eval  # loss by position; passkey retrieval with --passkey
   passkey = long_eval.Passkey(lengths=args.passkey_lengths, samples=args.passkey_samples,
-                              seed=args.passkey_seed, png=args.passkey_png)
+                              seed=args.passkey_seed, png=args.passkey_png,
+                              tasks=args.passkey_tasks)
   extra = long_eval.evaluate(nll, data, config, s, mesh, model, params, budget, split,
                              run_dir=args.run_dir, passkey=passkey if args.passkey else None,
                              moe_bias=collections.get("moe_bias"))

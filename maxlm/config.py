@@ -78,6 +78,7 @@ MODEL_SIZES = {  # named sizes; explicit model.* keys override them
 # every name maxlm/model/impl.py chooses among (splash_causal, gpu_mha: kernels for benches)
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "splash", "gpu", "splash_causal", "gpu_mha")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+RETRIEVAL_TASKS = ("passkey", "multikey", "vartrack")  # maxlm/eval/retrieval.py's TASKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +181,17 @@ class PasskeyEvalConfig:
   samples: int = 0  # >= 0; prompts per (length, depth) cell (0: no grid)
   lengths: tuple[int, ...] = ()  # each >= 128; those up to the stage's L (empty: powers of 2)
   seed: int = 0  # >= 0; chooses the keys and haystacks
+  tasks: tuple[str, ...] = ("passkey",)  # of passkey, multikey, vartrack (maxlm/eval/retrieval.py)
 
   def check(self, key):
     _at_least(f"{key}.samples", self.samples, 0)
     _at_least(f"{key}.seed", self.seed, 0)
     for i, n in enumerate(self.lengths):
       _at_least(f"{key}.lengths.{i}", n, 128)
+    for i, task in enumerate(self.tasks):
+      if task not in RETRIEVAL_TASKS:
+        raise ConfigError(f"{key}.tasks.{i}: expected one of {', '.join(RETRIEVAL_TASKS)}, "
+                          f"got {task!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,8 @@
 real held-out text, the same seed gives the same prompts, the grid scores what greedy decoding
 would emit."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,17 +136,25 @@ def test_training_logs_the_grid_maxlm_eval_scores_and_the_plot_draws_it(demo_dat
   proc = here("train", "configs/demo.yaml", f"data.dir={demo_data}", f"run_dir={run}",
               "model.size=tiny", "stages=[{seq_len: 256, batch: 8, steps: 2}]",
               "train.eval_every=2", "train.eval_tokens=512", "train.eval_passkey.samples=1",
-              "train.eval_passkey.lengths=[128, 256, 1024]")
+              "train.eval_passkey.lengths=[128, 256, 1024]",
+              "train.eval_passkey.tasks=[passkey, vartrack]")
   assert proc.returncode == 0, proc.stderr
   (row,) = [r for r in metrics.read_jsonl(str(run)) if "val_loss" in r]
-  logged = {k: v for k, v in row.items() if k.startswith("passkey/")}
-  assert {k.split("/")[1] for k in logged} == {"128", "256"}  # 1024 > the stage's L
-  proc = here("eval", run, "--passkey", "--passkey-samples", "1",
-              "--passkey-lengths", "128,256", "--json", "--tokens", "512")
+  logged = {k: v for k, v in row.items() if k.split("/")[0] in ("passkey", "vartrack")}
+  assert {tuple(k.split("/")[:2]) for k in logged} == {
+      (t, n) for t in ("passkey", "vartrack") for n in ("128", "256")}  # 1024 > the stage's L
+  proc = here("eval", run, "--passkey", "--passkey-samples", "1", "--passkey-tasks",
+              "passkey,vartrack", "--passkey-lengths", "128,256", "--json", "--tokens", "512")
   assert proc.returncode == 0, proc.stderr
-  grid = __import__("json").loads(proc.stdout)["passkey"]
-  assert passkey.as_metrics(grid) == logged
+  out = json.loads(proc.stdout)
+  assert {**passkey.as_metrics(out["passkey"]),
+          **passkey.as_metrics(out["vartrack"], "vartrack")} == logged
+  assert (run / "vartrack.png").read_bytes()[:4] == b"\x89PNG"
   fig = plot.figure(metrics.read_jsonl(str(run)))
-  assert any(ax.get_title(loc="left").startswith("passkey retrieval") for ax in fig.axes)
-  bad = here("train", "configs/demo.yaml", "train.eval_passkey.lengths=[64]")
-  assert bad.returncode == 2 and "train.eval_passkey.lengths.0" in bad.stderr
+  assert any(ax.get_title(loc="left").startswith("retrieval accuracy") for ax in fig.axes)
+  for bad, words in (("train.eval_passkey.lengths=[64]", "train.eval_passkey.lengths.0"),
+                     ("train.eval_passkey.tasks=[multi]", "train.eval_passkey.tasks.0")):
+    proc = here("train", "configs/demo.yaml", bad)
+    assert proc.returncode == 2 and words in proc.stderr
+  typo = here("eval", run, "--passkey", "--passkey-tasks", "passkey,multi")
+  assert typo.returncode == 2 and "unknown task 'multi'" in typo.stderr

@@ -1,6 +1,6 @@
 """`maxlm eval`'s long-context columns: held-out loss by position per source (always:
-maxlm/eval/positions.py) and, with --passkey, the passkey retrieval grid and its heatmap
-(maxlm/eval/passkey.py)."""
+maxlm/eval/positions.py) and, with --passkey, the retrieval grids of --passkey-tasks and their
+heatmaps (maxlm/eval/passkey.py, maxlm/eval/retrieval.py)."""
 
 import dataclasses
 
@@ -17,6 +17,10 @@ def add_arguments(p):
   p.add_argument("--passkey-samples", type=int, default=4, help="prompts per cell")
   p.add_argument("--passkey-seed", type=int, default=0, help="chooses keys and haystacks")
   p.add_argument("--passkey-png", help="heatmap file (default: RUN_DIR/passkey.png)")
+  p.add_argument("--passkey-tasks", default="passkey", metavar="TASK,...",
+                 help="retrieval tasks in the grid: passkey, multikey (four keys, one asked), "
+                      "vartrack (a chain of variables); each in --json under its name, its "
+                      "heatmap RUN_DIR/TASK.png (maxlm/eval/retrieval.py)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,7 @@ class Passkey:
   samples: int = 4
   seed: int = 0
   png: str | None = None
+  tasks: str = "passkey"
 
 
 def lengths(requested, seq_len):
@@ -63,39 +68,54 @@ def evaluate(nll, data, config, s, mesh, model, params, budget, split, *, run_di
   if passkey is not None:
     if passkey.samples < 1:
       raise MaxlmError(f"--passkey-samples must be >= 1, got {passkey.samples}")
-    grid = passkey_grid(passkey, data, config, s, mesh, model, params, split, moe_bias)
-    png = passkey.png or io.join(run_dir, "passkey.png")
     from maxlm.eval import passkey as passkey_lib
-    passkey_lib.save_png(grid, png, f"{run_dir}: stage {s} (L={stage.seq_len}), "
-                         f"{passkey.samples} prompts per cell, seed {passkey.seed}")
-    out["passkey"], out["passkey_png"] = grid, png
+    for task in task_names(passkey.tasks):
+      grid = passkey_grid(passkey, data, config, s, mesh, model, params, split, moe_bias, task)
+      png = (passkey.png if task == "passkey" else None) or io.join(run_dir, f"{task}.png")
+      passkey_lib.save_png(grid, png, f"{run_dir}: {task}, stage {s} (L={stage.seq_len}), "
+                           f"{passkey.samples} prompts per cell, seed {passkey.seed}")
+      out[task], out[f"{task}_png"] = grid, png
   return out
 
 
-def passkey_grid(options, data, config, s, mesh, model, params, split, moe_bias=None):
-  """{length: {depth: accuracy}} of the Passkey `options` on `split`'s held-out text."""
+def task_names(text):
+  """The retrieval tasks named in "TASK,..." (maxlm/eval/retrieval.py), checked."""
+  from maxlm.eval import retrieval
+  names = [t.strip() for t in text.split(",") if t.strip()] if isinstance(text, str) else text
+  unknown = [t for t in names if t not in retrieval.TASKS]
+  if unknown or not names:
+    raise MaxlmError(f"--passkey-tasks: unknown task {(unknown or [text])[0]!r}; expected "
+                     f"{', '.join(retrieval.TASKS)}")
+  return list(dict.fromkeys(names))
+
+
+def passkey_grid(options, data, config, s, mesh, model, params, split, moe_bias=None,
+                 task="passkey"):
+  """{length: {depth: accuracy}} of a retrieval task with the Passkey `options` on `split`'s
+  held-out text."""
   import jax
   from maxlm.eval import passkey
   stage = config.stages[s]
   prompts = passkey_prompts(lengths(options.lengths, stage.seq_len), options.samples,
-                            options.seed, data, config, split)
+                            options.seed, data, config, split, task)
   predict = passkey_predictor(jax.jit(passkey.make_predict(model, config.rules)), mesh, config)
   return passkey.score(lambda batch, where: predict(params, batch, where, moe_bias), prompts,
                        stage.seq_len, stage.batch)
 
 
-def passkey_prompts(prompt_lengths, samples, seed, data, config, split=None):
-  """The passkey prompts (maxlm/eval/passkey.py) of these lengths on the held-out text."""
+def passkey_prompts(prompt_lengths, samples, seed, data, config, split=None, task="passkey"):
+  """The prompts of a retrieval task (maxlm/eval/retrieval.py) of these lengths on the
+  held-out text."""
   from maxlm.data import store, tokenizer
-  from maxlm.eval import passkey
+  from maxlm.eval import passkey, retrieval
   split = store.VAL if split is None else split
   sp = tokenizer.load(io.read_bytes(io.join(config.data.dir, "tokenizer.model")))
   stream = passkey.haystack_tokens(data, split)
   if not len(stream):
     name = "val" if split == store.VAL else "train"
     raise MaxlmError(f"passkey: the data has no {name} text to build haystacks from")
-  return passkey.build(sp.encode, data.special.bos, stream, prompt_lengths, samples=samples,
-                       seed=seed)
+  return retrieval.TASKS[task](sp.encode, data.special.bos, stream, prompt_lengths,
+                               samples=samples, seed=seed)
 
 
 def passkey_predictor(fn, mesh, config):
@@ -119,11 +139,12 @@ def format_text(extra):
   for source, cells in extra["positions"].items():
     parts = ", ".join(f"{b} {e['loss']:.3f} ({e['tokens']:,})" for b, e in cells.items())
     lines.append(f"loss by position, {source}: {parts}")
-  if "passkey" in extra:
-    grid = extra["passkey"]
+  from maxlm.eval import retrieval
+  for task in (t for t in retrieval.TASKS if t in extra):
+    grid = extra[task]
     depths = sorted({d for row in grid.values() for d in row}, key=int)
-    lines.append("passkey accuracy  " + "".join(f"{d + '%':>7}" for d in depths))
+    lines.append(f"{task + ' accuracy':<18}" + "".join(f"{d + '%':>7}" for d in depths))
     for n in sorted(grid, key=int):
       lines.append(f"  {int(n):>9,} tokens" + "".join(f"{grid[n][d]:>7.2f}" for d in depths))
-    lines.append(f"wrote {extra['passkey_png']}")
+    lines.append(f"wrote {extra[task + '_png']}")
   return lines

@@ -141,14 +141,14 @@ def score(predict, prompts, seq_len, batch_rows):
   return grid
 
 
-def as_metrics(grid):
-  """metrics.jsonl keys of a grid: passkey/LENGTH/DEPTH, and passkey/LENGTH (the mean over
+def as_metrics(grid, task="passkey"):
+  """metrics.jsonl keys of a task's grid: TASK/LENGTH/DEPTH, and TASK/LENGTH (the mean over
   depths)."""
   out = {}
   for length, row in grid.items():
     for depth, accuracy in row.items():
-      out[f"passkey/{length}/{depth}"] = accuracy
-    out[f"passkey/{length}"] = float(np.mean(list(row.values())))
+      out[f"{task}/{length}/{depth}"] = accuracy
+    out[f"{task}/{length}"] = float(np.mean(list(row.values())))
   return out
 
 

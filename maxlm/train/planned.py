@@ -94,15 +94,18 @@ class Steps:
     if self._passkey is None:  # the same prompts at every evaluation of the stage
       L = stage.seq_len
       prompt_lengths = [n for n in wanted.lengths if n <= L] or passkey.lengths_up_to(L)
-      prompts = long_eval.passkey_prompts(prompt_lengths, wanted.samples, wanted.seed,
-                                          self.data, self.config)
+      prompts = {task: long_eval.passkey_prompts(prompt_lengths, wanted.samples, wanted.seed,
+                                                 self.data, self.config, task=task)
+                 for task in wanted.tasks}
       fn = jax.jit(passkey.make_predict(self.parts.model, self.config.rules))
       self._passkey = prompts, long_eval.passkey_predictor(fn, self.parts.mesh, self.config)
     prompts, predict = self._passkey
-    bias = state.get(moe_state.BIAS)
-    grid = passkey.score(lambda batch, where: predict(state["params"], batch, where, bias),
-                         prompts, stage.seq_len, stage.batch)
-    return passkey.as_metrics(grid)
+    bias, out = state.get(moe_state.BIAS), {}
+    for task, asked in prompts.items():
+      grid = passkey.score(lambda batch, where: predict(state["params"], batch, where, bias),
+                           asked, stage.seq_len, stage.batch)
+      out.update(passkey.as_metrics(grid, task))
+    return out
 
 
 def loss_tokens(data, s, k, consumed):

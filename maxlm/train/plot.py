@@ -39,7 +39,9 @@ TITLES = {"loss": "training loss", "val_loss": "held-out loss per token",
           "norms": "gradient and parameter norm", "max_logit": "largest attention logit",
           "mfu": "MFU and tokens/s",
           "reward": "GRPO reward (mean over rollouts) and held-out pass@1",
-          "passkey": "passkey retrieval accuracy by prompt length (mean over depths)"}
+          "passkey": "retrieval accuracy (passkey, multikey, vartrack) by prompt length, mean "
+                     "over depths"}
+RETRIEVAL = ("passkey", "multikey", "vartrack")  # train.eval_passkey.tasks' metrics
 
 
 def smoothing_span(n_steps):
@@ -98,7 +100,8 @@ def figure(rows, labels=None, title="", untrained=()):
   labels = labels or {}
   extra = plot_positions.present(rows)  # its own x axis (position): not shared
   passkey_keys = sorted({k for r in rows for k in r if k.count("/") == 1
-                         and k.startswith("passkey/")}, key=lambda k: int(k.split("/")[1]))
+                         and k.split("/")[0] in RETRIEVAL},
+                        key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
   panels = (PANELS + (("reward",) if any("reward_mean" in r for r in rows) else ())
             + (("passkey",) if passkey_keys else ()))
   fig, axes = plt.subplots(len(panels) + extra, 1, figsize=(10, 2.4 * (len(panels) + extra)))
