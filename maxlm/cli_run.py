@@ -116,7 +116,7 @@ def cmd_eval(args):
   table = bpb.evaluate_table(nll, data, stage.seq_len, stage.batch, budget, split)
   if not table:
     raise MaxlmError(f"the data has no {args.split} documents to evaluate")
-  _mark_trained(config, table)
+  _mark_trained(config, table, data.index.sources)
   passkey = long_eval.Passkey(lengths=args.passkey_lengths, samples=args.passkey_samples,
                               seed=args.passkey_seed, png=args.passkey_png,
                               tasks=args.passkey_tasks)
@@ -135,13 +135,15 @@ def cmd_eval(args):
   print("\n".join(long_eval.format_text(extra)))
 
 
-def _mark_trained(config, table):
-  """Each source's `trained`: whether any stage's mix names it (maxlm/data/plan.py)."""
+def _mark_trained(config, table, sources):
+  """Marks each scored source's `trained` (whether any stage's mix names it: maxlm/data/
+  plan.py), and lists in `not_trained` every source of the data no stage trains on, scored
+  or not (one without held-out text has no row, but is named all the same)."""
   from maxlm.data import plan
-  left_out = plan.unmixed([config.mix_for(i) for i in range(len(config.stages))],
-                          list(table["sources"]))
+  left_out = plan.unmixed([config.mix_for(i) for i in range(len(config.stages))], sources)
   for name, entry in table["sources"].items():
     entry["trained"] = name not in left_out
+  table["not_trained"] = left_out
 
 
 def _table_lines(table):
@@ -155,9 +157,8 @@ def _table_lines(table):
                  f"{e['nll']:>13,.1f}{e['loss']:>12.4f}{e['bpb']:>11.4f}")
   if bpb.small_sources(table):
     lines.append("* " + bpb.small_note(bpb.small_sources(table)))
-  left_out = [n for n, e in table["sources"].items() if not e["trained"]]
-  if left_out:
-    lines.append(f"! not trained on: no stage's mix names {', '.join(left_out)}")
+  if table["not_trained"]:
+    lines.append(f"! not trained on: no stage's mix names {', '.join(table['not_trained'])}")
   lines.append("bits/byte = nll / ln 2 / bytes; loss/token = nll / tokens")
   return lines
 

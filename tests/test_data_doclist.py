@@ -30,13 +30,15 @@ def test_kept_and_removed_ids_with_their_source_tokens_and_fate(data, here):
   data_dir, topics = data
   proc = here("docs", data_dir, "--json")
   assert proc.returncode == 0, proc.stderr
-  found = {r["id"]: r for r in map(json.loads, proc.stdout.splitlines())}
+  rows = list(map(json.loads, proc.stdout.splitlines()))
+  found = {r["id"]: r for r in rows if r["id"] is not None}
   kept = [f"guide/{name}.md" for name, _ in topics]
   assert {found[i]["status"] for i in kept} <= {"train", "held out"}
   assert all(found[i]["source"] == "mine" and found[i]["tokens"] > 0 for i in kept)
   assert found["guide/copy.md"]["status"] == "removed: exact_dup/exact"
-  assert [r["status"] for r in found.values() if "mine.jsonl:8 " in r["id"]] == [
-      "removed: input/missing_text"]
+  (reject,) = [r for r in rows if r["id"] is None]  # no id: named by where it was read
+  assert reject["status"] == "removed: input/missing_text" and "mine.jsonl:8 " in reject["where"]
+  assert "(no id: rejected at " in here("docs", data_dir, "--removed").stdout
   only = here("docs", data_dir, "--removed", "--grep", "copy")
   assert only.stdout.splitlines()[1].split() == ["-", "mine", "removed:", "exact_dup/exact",
                                                  "guide/copy.md"]
@@ -51,6 +53,7 @@ def test_the_listed_ids_work_in_show_doc_and_mistakes_are_one_line(data, here):
   assert gone.returncode == 2 and "was removed by exact_dup/exact" in gone.stderr
   for args, words in ((["--grep", "("], "not a regular expression"),
                       (["--source", "nope"], "has sources mine"),
+                      (["--removed", "--source", "nope"], "has sources mine"),
                       (["--kept", "--removed"], "not both")):
     proc = here("docs", data_dir, *args)
     assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1

@@ -68,6 +68,18 @@ def test_a_short_file_is_kept_whole_and_never_language_guessed():
   assert web["verdict"]["step"] is not None  # a crawled stub is still judged
 
 
+def test_junk_inside_a_fence_is_judged_as_literal_text():
+  inspect = quality.Inspector(quality.QualityConfig())
+  for text, rule in (("```\n" + "\x01\x02\x03 garbage \x7f" * 5000, "literal_max_line_length"),
+                     ("```\n" + "\x01\x02 garbage \x7f\n" * 50, "literal_control_chars"),
+                     ("Intro.\n```\n" + "#$%^&*(){}[]\n" * 300, "literal_alnum_fraction")):
+    verdict = inspect({"source": "s", "id": "j", "kind": "prose", "text": text})["verdict"]
+    assert (verdict["step"], verdict["rule"]) == ("quality", rule)
+  example = "Lists buckets::\n\n    {\n        \"Buckets\": [\"a\", \"b\"]\n    }\n"
+  kept = inspect({"source": "s", "id": "k", "kind": "prose", "text": example})
+  assert kept["verdict"]["step"] is None  # indented JSON: a fifth alphanumeric with spaces
+
+
 def test_this_machines_docs_and_man_pages_keep_90_percent_and_junk_as_prose_goes():
   docs = [t for _, t in realtext.site_docs(150)]
   man = [t for _, t in realtext.hard_wrapped(60)]

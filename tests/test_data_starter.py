@@ -58,14 +58,16 @@ def test_every_source_is_mixed_by_tokens_and_fim_goes_to_code(own_data, tmp_path
   assert yaml.safe_load(equal.stdout)["data"]["mix"] == {"docs": 1.0, "pysrc": 1.0}
 
 
-def test_odd_source_names_read_back_and_code_needs_the_funnel(tmp_path):
-  names = ["yes", "two words", "123", "null"]
+def test_odd_source_names_read_back_and_code_needs_the_funnel(tmp_path, monkeypatch):
+  names = ["yes", "two words", "123", "emoji😀", "null"]
   lengths = np.full(40, 30)
-  data_dir = datagen.write_data_dir(tmp_path / "data", datagen.make_docs(
-      lengths, [names[i % 4] for i in range(40)]))
+  monkeypatch.chdir(tmp_path)
+  data_dir = datagen.write_data_dir(tmp_path / "runs" / "line\nbreak", datagen.make_docs(
+      lengths, [names[i % 5] for i in range(40)]))
   text = starter.text(data_dir, starter.Options(seq_lens=(128,)))
   cfg = config_lib.from_dict(yaml.safe_load(text))
-  assert sorted(cfg.data.mix) == sorted(names)
+  assert sorted(cfg.data.mix) == sorted(names) and cfg.data.dir == data_dir
+  assert cfg.run_dir == "runs/line\nbreak-run"  # runs/NAME would be the data dir itself
   assert cfg.data.fim.rate == 0  # no funnel counted kinds: no source is known to be code
   assert "no fill-in-the-middle" in text
 
@@ -74,7 +76,9 @@ def test_refusals_are_one_line(demo_data, tmp_path, here):
   for args, words in ((["--seq-len", "100"], "multiple of 128"),
                       (["--seq-len", "1024,256"], "growing lengths"),
                       (["--seq-len", "lots"], "expected integers separated by commas"),
-                      (["--epochs", "0"], "--epochs must be > 0"),
+                      (["--epochs", "0"], "--epochs must be a number in (0, 1e6)"),
+                      (["--epochs", "inf"], "--epochs must be a number in (0, 1e6)"),
+                      (["--run-dir", str(demo_data / "run")], "inside the data dir"),
                       (["--out", str(tmp_path / "c.txt")], "ending in .yaml"),
                       (["--out", str(demo_data / "c.yaml")], "inside the data dir")):
     proc = here("config", demo_data, *args)

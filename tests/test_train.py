@@ -86,12 +86,14 @@ def test_a_source_no_stage_trains_on_is_named_at_train_eval_and_plot(tmp_path, d
   cfg = config_lib.load(str(path), ["data.mix={prose: 1}", "stages.1.mix={prose: 2}"])
   loop.train(cfg, stop_after=1, log=said.append)
   assert [line for line in said if "'code'" in line] == [
-      "warning: no stage's mix names source 'code': not trained on (add to data.mix, or "
-      "prepare without it; data.strict=true makes this an error)"]
+      "warning: no stage's mix names source 'code': not trained on (add it to data.mix, a "
+      "source of preference pairs to a dpo stage's mix, or prepare without it; "
+      "data.strict=true makes this an error)"]
   proc = here("eval", cfg.run_dir, "--json")
   assert proc.returncode == 0, proc.stderr
-  assert {n: e["trained"] for n, e in json.loads(proc.stdout)["sources"].items()} == {
-      "prose": True, "code": False}
+  out = json.loads(proc.stdout)
+  assert {n: e["trained"] for n, e in out["sources"].items()} == {"prose": True, "code": False}
+  assert out["not_trained"] == ["code"]
   text = here("eval", cfg.run_dir).stdout
   assert "\ncode*!" in text and "! not trained on: no stage's mix names code" in text
   assert plot.untrained(cfg.run_dir, ["code", "prose"]) == ["code"]

@@ -3,7 +3,8 @@
 
 A kept document's row comes from the doc index (its source, tokens and split: `train` or
 `held out`); a removed one's from the data dir's removed.jsonl (the step and rule that removed
-it; input rejects, which have no id, are named by where they were read). Data dirs prepared
+it; an input reject has no id, and is listed by where it was read). An id holding a line break
+or a tab is shown JSON-quoted in the table, as it is in --json. Data dirs prepared
 before removed.jsonl existed list their kept documents only, and say so.
 """
 
@@ -21,21 +22,23 @@ def rows(data_dir, source=None, pattern=None, which=(KEPT, REMOVED)):
   None) and whose id matches the regular expression `pattern` (any if None)."""
   store.load_manifest(data_dir)  # a data dir, and one whose files match their manifest
   match = _matcher(pattern)
+  index, gone = store.load_index(data_dir), removed(data_dir) or []
+  known = list(dict.fromkeys([*index.sources, *(r["source"] for r in gone if r["source"])]))
+  if source is not None and source not in known:
+    raise MaxlmError(f"--source {source!r}: {data_dir} has sources {', '.join(known)}")
   if KEPT in which:
-    index, ids = store.load_index(data_dir), store.load_doc_ids(data_dir)
-    if source is not None and source not in index.sources:
-      raise MaxlmError(f"--source {source!r}: {data_dir} has sources "
-                       f"{', '.join(index.sources)}")
+    ids = store.load_doc_ids(data_dir)
     for i in range(len(ids)):
       name = index.sources[index.source[i]]
       if (source is None or name == source) and match(ids[i]):
         yield {"id": ids[i], "source": name, "tokens": int(index.length[i]),
                "status": "held out" if index.split[i] == store.VAL else "train"}
   if REMOVED in which:
-    for row in removed(data_dir) or ():
-      doc_id = row["id"] if row["id"] is not None else row.get("where", "?")
-      if (source is None or row["source"] == source) and match(doc_id):
-        yield {"id": doc_id, "source": row["source"], "tokens": None,
+    for row in gone:
+      name = row["id"] if row["id"] is not None else row.get("where", "?")
+      if (source is None or row["source"] == source) and match(name):
+        yield {"id": row["id"], **({"where": row["where"]} if row["id"] is None else {}),
+               "source": row["source"], "tokens": None,
                "status": f"removed: {row['step']}/{row['rule']}"}
 
 
@@ -67,5 +70,12 @@ def format_rows(found):
   lines = [f"{'tokens':>9}  {'source':<14} {'status':<34} id"]
   for r in found:
     tokens = f"{r['tokens']:,}" if r["tokens"] is not None else "-"
-    lines.append(f"{tokens:>9}  {r['source'] or '-':<14} {r['status']:<34} {r['id']}")
+    name = _shown(r["id"]) if r["id"] is not None else f"(no id: rejected at {r['where']})"
+    lines.append(f"{tokens:>9}  {r['source'] or '-':<14} {r['status']:<34} {name}")
   return lines
+
+
+def _shown(doc_id):
+  """An id on one line: one holding a line break or a tab is shown quoted, escaped."""
+  return json.dumps(doc_id, ensure_ascii=False) if any(c in doc_id for c in "\n\r\t") \
+      else doc_id

@@ -82,11 +82,13 @@ def unmixed(mixes, names):
   return [n for n in names if n not in named]
 
 
-def unmixed_line(left_out):
-  """The one line that names sources no stage trains on."""
+def unmixed_line(left_out, strict=False):
+  """The one line that names sources no stage trains on (as a warning, or `strict`'s error)."""
   return (f"no stage's mix names source{'s' if len(left_out) > 1 else ''} "
-          f"{', '.join(map(repr, left_out))}: not trained on (add to data.mix, or prepare "
-          "without it; data.strict=true makes this an error)")
+          f"{', '.join(map(repr, left_out))}: not trained on (add it to data.mix, a source of "
+          "preference pairs to a dpo stage's mix, or prepare without it"
+          + ("; data.strict=false lets a run leave it out)" if strict else
+             "; data.strict=true makes this an error)"))
 
 
 def check_resume(saved, step_no):

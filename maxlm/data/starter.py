@@ -22,6 +22,7 @@ from maxlm.data import store
 CPU_SIZES = ("tiny", "demo")  # float32, no remat, 128-position tiles: configs/demo.yaml's
 LR = {"tiny": 3e-3, "demo": 3e-3, "150m": 6e-4, "1b": 3e-4, "8b": 3e-4}
 TILE = 128
+MAX_EPOCHS = 4  # a source repeated more often than this is noted in the config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,8 @@ def check(opts):
     if L < TILE or L % TILE or L > opts.tokens_per_step:
       raise MaxlmError(f"--seq-len {L}: each length must be a multiple of {TILE} and at most "
                        f"--tokens-per-step ({opts.tokens_per_step})")
-  if not opts.epochs > 0:
-    raise MaxlmError(f"--epochs must be > 0, got {opts.epochs}")
+  if not 0 < opts.epochs < 1e6:
+    raise MaxlmError(f"--epochs must be a number in (0, 1e6), got {opts.epochs}")
   if opts.mix not in ("tokens", "equal"):
     raise MaxlmError(f"--mix {opts.mix!r}: expected tokens or equal")
 
@@ -75,12 +76,37 @@ def code_sources(manifest, names):
 
 
 def default_run_dir(data_dir):
-  """runs/NAME for a data dir NAME or NAME/data (never a folder holding anything else)."""
+  """runs/NAME for a data dir NAME or NAME/data (never a folder holding anything else), or
+  runs/NAME-run when that would be the data dir itself."""
   path = os.path.normpath(os.path.abspath(data_dir))
   name = os.path.basename(path)
   if name == "data" and os.path.basename(os.path.dirname(path)):
     name = os.path.basename(os.path.dirname(path))
-  return os.path.join("runs", name or "run")
+  run_dir = os.path.join("runs", name or "run")
+  return f"{run_dir}-run" if _inside(run_dir, data_dir) else run_dir
+
+
+def _inside(path, folder):
+  """Whether `path` is `folder` or lies in it (local paths)."""
+  path, folder = os.path.abspath(path), os.path.abspath(folder)
+  return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _data_path(data_dir):
+  """The data dir as the config names it: absolute, so the config works from any folder."""
+  return data_dir if "://" in data_dir else os.path.abspath(data_dir)
+
+
+def _exposure_notes(usable, mix, budget):
+  """A comment line per source the mix would repeat more than MAX_EPOCHS times."""
+  total_share = sum(mix.values())
+  notes = []
+  for name, share in mix.items():
+    epochs = budget * share / total_share / usable[name]
+    if epochs > MAX_EPOCHS:
+      notes.append(f"# note: {name} would be seen ~{epochs:,.0f} times ({usable[name]:,} "
+                   "training tokens); lower its share or add text to it")
+  return notes
 
 
 def text(data_dir, opts):
@@ -91,12 +117,16 @@ def text(data_dir, opts):
   if not usable:
     raise MaxlmError(f"{data_dir}: no source has training text (all held out, or pairs only)")
   total = sum(usable.values())
-  mix = {n: (1.0 if opts.mix == "equal" else max(round(t / total, 4), 1e-4))
+  mix = {n: (1.0 if opts.mix == "equal" else float(f"{t / total:.4g}"))
          for n, t in usable.items()}
   code = code_sources(manifest, list(usable))
   run_dir = opts.run_dir or default_run_dir(data_dir)
+  if "://" not in run_dir + data_dir and _inside(run_dir, data_dir):
+    raise MaxlmError(f"--run-dir {run_dir} is inside the data dir {data_dir}: a run never "
+                     "writes into its data; choose another folder")
   lines = _header(data_dir, usable, total, paired, opts)
-  lines += ["seed: 0", f"run_dir: {_q(run_dir)}", "data:", f"  dir: {_q(data_dir)}",
+  lines += _exposure_notes(usable, mix, max(total * opts.epochs, 1))
+  lines += ["seed: 0", f"run_dir: {_q(run_dir)}", "data:", f"  dir: {_q(_data_path(data_dir))}",
             "  mix:  # every source; " + ("by its share of training tokens" if opts.mix ==
                                             "tokens" else "equal shares (--mix equal)")]
   lines += [f"    {_q(n)}: {share}  # {usable[n]:,} training tokens" for n, share in mix.items()]
@@ -109,7 +139,7 @@ def text(data_dir, opts):
 
 
 def _header(data_dir, usable, total, paired, opts):
-  lines = [f"# A starting config for {data_dir}, written by `maxlm config` (docs/data.md).",
+  lines = [f"# A starting config for {_q(data_dir)}, written by `maxlm config` (docs/data.md).",
            f"# {len(usable)} source(s), {total:,} training tokens; {opts.epochs:g} epoch(s) "
            "over the stages below.",
            "# Change: model.size for a larger model (then drop the CPU settings), stages.*.tokens",
@@ -160,7 +190,7 @@ def _q(value):
   plain word or path, else double-quoted (JSON is YAML)."""
   plain = re.fullmatch(r"[A-Za-z_./][\w./-]*", value) and value.lower() not in (
       "true", "false", "yes", "no", "on", "off", "null", "y", "n")
-  return value if plain else json.dumps(value)
+  return value if plain else json.dumps(value, ensure_ascii=False)
 
 
 def _loads(body, data_dir):

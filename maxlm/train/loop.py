@@ -66,7 +66,7 @@ def _warn_unmixed(config, data, log):
   left_out = plan.unmixed([config.mix_for(s) for s in range(len(config.stages))],
                           data.index.sources)
   if left_out and config.data.strict:
-    raise MaxlmError(plan.unmixed_line(left_out))
+    raise MaxlmError(plan.unmixed_line(left_out, strict=True))
   if left_out:
     log(f"warning: {plan.unmixed_line(left_out)}")
 

@@ -169,7 +169,12 @@ class Inspector:
                "nbytes_in": len(whole.encode()), "nchars_in": len(whole)}
     doc["verdict"] = verdict
     accepted = self.config.langs_for(doc["source"])
-    judged = prose.prose_only(whole) if kind == "prose" else whole
+    judged, literal = prose.split(whole) if kind == "prose" else (whole, "")
+    if self.config.filters and literal.strip():
+      rule = prose.literal_rule(literal, self.config.thresholds)
+      if rule:
+        verdict.update(step="quality", rule=rule)
+        return doc
     if kind == "prose" and rules.word_count(judged) < self.config.thresholds.gopher_min_words:
       return self._dedup_keys(doc, whole)  # too short to judge (prose.py says why)
     if kind != "code" and "any" not in accepted:
