@@ -195,6 +195,7 @@ def build(cls, raw, key=""):
     raise ConfigError(f"{key or 'config'}: expected a mapping, got {raw!r}")
   fields = {f.name: f for f in dataclasses.fields(cls)}
   hints = typing.get_type_hints(cls)
+  _check_colons(key or "config", raw)
   for name in raw:
     if name not in fields:
       full = _join(key, name)
