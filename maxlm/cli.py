@@ -65,20 +65,8 @@ def _parser():
   return ap
 
 
-def _add_data_commands(sub):
-  """The commands that read a data dir or a config's plan (their handlers: cli_data)."""
-  p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
-  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
-  p.add_argument("--png", metavar="FILE.png", help="also draw the funnel there")
-
-  p = sub.add_parser("show-doc", help="a kept document's cleaned text, or its input with each "
-                     "removed line and the rule that removed it")
-  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
-  p.add_argument("doc_id", help="the document's id (as in --rejected, show-batch, trace)")
-  p.add_argument("--diff", nargs="+", metavar="INPUT",
-                 help="the inputs prepare read: show the document's input lines, each removed "
-                      "one marked '-' with its rule")
-
+def _add_own_data_commands(sub):
+  """A config made from a data dir, and the ids of its documents (handlers: cli_data)."""
   p = sub.add_parser("config", help="a starting config for a prepared data dir: every source "
                      "in the mix, FIM on code, stages sized to the data")
   p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
@@ -105,6 +93,22 @@ def _add_data_commands(sub):
   p.add_argument("--kept", action="store_true", help="only the kept documents")
   p.add_argument("--removed", action="store_true", help="only the removed documents")
   p.add_argument("--json", action="store_true", help="one JSON object a line, not a table")
+
+
+def _add_data_commands(sub):
+  """The commands that read a data dir or a config's plan (their handlers: cli_data)."""
+  _add_own_data_commands(sub)
+  p = sub.add_parser("funnel", help="a data dir's filtering funnel as a table (and a PNG)")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
+  p.add_argument("--png", metavar="FILE.png", help="also draw the funnel there")
+
+  p = sub.add_parser("show-doc", help="a kept document's cleaned text, or its input with each "
+                     "removed line and the rule that removed it")
+  p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
+  p.add_argument("doc_id", help="the document's id (as in --rejected, show-batch, trace)")
+  p.add_argument("--diff", nargs="+", metavar="INPUT",
+                 help="the inputs prepare read: show the document's input lines, each removed "
+                      "one marked '-' with its rule")
 
   p = sub.add_parser("check-data", help="re-hash every file of a data dir against its manifest")
   p.add_argument("data_dir", help="a folder `maxlm prepare` wrote")
