@@ -3,8 +3,9 @@
 Written from the data dir's manifest, so nothing is left out and nothing must be renamed: every
 source with training text is in `data.mix`, by its share of training tokens (or equally),
 fill-in-the-middle goes to the sources whose documents are mostly code (the kinds the quality
-steps counted; without them, to none), the run gets a run_dir of its own beside the data, and
-each stage's token budget comes from the data (`--epochs` passes over its training tokens,
+steps counted; without them, to none), the run gets a run_dir of its own (runs/NAME, never
+in the data dir), data.dir is absolute (the config works from any folder), and each stage's
+token budget comes from the data (`--epochs` passes over its training tokens,
 split between the stages), so a stage's steps follow from its batch. Sources of preference
 pairs are left out of an lm mix (they would teach the rejected answers too) and named in a
 comment. The text is YAML with comments saying what to change; it is loaded back through
@@ -32,7 +33,7 @@ class Options:
   tokens_per_step: int = 4096  # positions per optimizer step, at every stage
   epochs: float = 1.0  # passes over the training tokens, all stages together
   mix: str = "tokens"  # tokens | equal
-  run_dir: str | None = None  # default: beside the data dir
+  run_dir: str | None = None  # default: default_run_dir(data_dir)
 
 
 def check(opts):
