@@ -41,7 +41,10 @@ class _Parser(argparse.ArgumentParser):
     super().__init__(*args, **kw)
 
   def error(self, message):
-    """One line, as every other refusal (argparse would print the whole usage first)."""
+    """One line, as every other refusal (argparse would print the whole usage first). The
+    optional key=value overrides are not named among the missing (argparse names them when
+    the CONFIG before them is missing)."""
+    message = message.replace(", key=value", "")
     self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` shows the usage)\n")
 
 
@@ -277,7 +280,8 @@ def _parse(parser, argv):
     args.overrides = [*args.overrides, *late]
     extra = [a for a in extra if a not in late]
   if extra:
-    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
   return args
 
 
