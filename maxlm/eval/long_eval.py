@@ -100,7 +100,8 @@ def passkey_grid(options, data, config, s, mesh, model, params, split, moe_bias=
                             options.seed, data, config, split, task)
   predict = passkey_predictor(jax.jit(passkey.make_predict(model, config.rules)), mesh, config)
   return passkey.score(lambda batch, where: predict(params, batch, where, moe_bias), prompts,
-                       stage.seq_len, stage.batch)
+                       stage.seq_len, stage.batch,
+                       progress=f"{task} ({len(prompts)} prompts, rows of {stage.seq_len:,})")
 
 
 def passkey_prompts(prompt_lengths, samples, seed, data, config, split=None, task="passkey"):

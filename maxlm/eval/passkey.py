@@ -118,12 +118,15 @@ def row_batch(prompts, rows, seq_len, batch_rows):
   return batch, where
 
 
-def score(predict, prompts, seq_len, batch_rows):
+def score(predict, prompts, seq_len, batch_rows, progress=None):
   """{length: {depth: accuracy}} (str keys, for JSON) with predict(batch, where) -> the argmax
-  ids [rows, W] at the positions `where`."""
+  ids [rows, W] at the positions `where`; `progress`: a name to show a progress bar of the
+  forward passes under (on stderr), or None for none."""
+  import tqdm
   rows = rows_of(prompts, seq_len)
   hits = {}
-  for first in range(0, len(rows), batch_rows):
+  for first in tqdm.tqdm(range(0, len(rows), batch_rows), desc=progress, unit="batch",
+                         disable=progress is None):
     group = rows[first:first + batch_rows]
     batch, where = row_batch(prompts, group, seq_len, batch_rows)
     got = np.asarray(predict(batch, where))
