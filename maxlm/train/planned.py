@@ -32,6 +32,7 @@ class Steps:
     self.config, self.data, self.s, self.parts, self.step_fn = config, data, s, parts, step_fn
     self.it, self.it_start, self.lookahead, self.log, self.k0 = it, it_start, lookahead, log, k0
     self.evaluates = evaluates
+    self.g0 = schedule.Schedule(config).offset(s) + k0  # the global step this process starts at
     self.ahead = None  # (batch, metrics on device) of the next step, dispatched early
     self._passkey = None  # (prompts, predict) once train.eval_passkey first runs
     self.t0 = None
@@ -45,9 +46,8 @@ class Steps:
     if self.ahead is None:
       batch = next(self.it)
       self.t0 = time.perf_counter()
-      g = schedule.Schedule(self.config).offset(self.s) + k  # as progress lines number it
       with (self.log.phase(f"compiling the stage-{self.s} step (L={stage.seq_len}, batch "
-                           f"{stage.batch}) and running step {g}") if k == self.k0
+                           f"{stage.batch}) and running step {self.g0}") if k == self.k0
             else contextlib.nullcontext()):
         state, m = self._dispatch(state, batch)
         if k == self.k0:
