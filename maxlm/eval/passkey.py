@@ -71,26 +71,54 @@ def needle_ids(encode, key):
 
 def build(encode, bos, stream, lengths, depths=DEPTHS, samples=4, seed=0):
   """[Prompt] for every length x depth x sample; encode(text) -> ids (the run's tokenizer)."""
+  question = encode(QUESTION)
+
+  def make(rng):
+    key = int(rng.integers(10_000, 100_000))
+    needle, answer = needle_ids(encode, key)
+    return [needle], question, answer, key
+  return lay_out(make, 1, bos, stream, lengths, depths, samples, seed)
+
+
+def lay_out(make, chained, bos, stream, lengths, depths, samples, seed, tag=()):
+  """[Prompt] for every length x depth x sample of a retrieval task: make(rng) -> (needles,
+  question ids, answer ids, key); the first needle sits at `depth` of the haystack, the next
+  `chained - 1` follow it in order at random later places, the rest anywhere. The generator
+  is seeded by (seed, length, depth index, sample, *tag)."""
   if not len(stream):
     raise ValueError("no held-out text to build haystacks from")
-  question = encode(QUESTION)
   prompts = []
   for length in lengths:
     for d, depth in enumerate(depths):
       for i in range(samples):
-        rng = np.random.default_rng([seed, length, d, i])
-        key = int(rng.integers(10_000, 100_000))
-        needle, answer = needle_ids(encode, key)
-        hay_len = length - len(needle) - len(question) - len(answer)
+        rng = np.random.default_rng([seed, length, d, i, *tag])
+        needles, question, answer, key = make(rng)
+        hay_len = length - sum(map(len, needles)) - len(question) - len(answer)
         if hay_len < 0:
-          raise ValueError(f"a passkey prompt of {length} positions cannot hold the needle and "
-                           f"question ({length - hay_len} tokens)")
+          raise ValueError(f"a retrieval prompt of {length} positions cannot hold its needles "
+                           f"and question ({length - hay_len} tokens)")
         start = int(rng.integers(0, len(stream)))
         hay = stream[(start + np.arange(hay_len)) % len(stream)].tolist()
         at = round(depth / 100 * hay_len)
-        ids = [bos] + hay[:at] + needle + hay[at:] + question + answer
-        prompts.append(Prompt(length, depth, key, ids, 1 + at, len(answer)))
+        places = [at] + sorted(rng.integers(at, hay_len + 1, chained - 1).tolist()) + \
+            rng.integers(0, hay_len + 1, len(needles) - chained).tolist()
+        ids, first = _insert([bos], hay, needles, places)
+        prompts.append(Prompt(length, depth, key, ids + question + answer, first, len(answer)))
   return prompts
+
+
+def _insert(head, hay, needles, places):
+  """(head + hay with needles[j] inserted before hay[places[j]] (ties keep needle order),
+  index of needles[0]'s first token)."""
+  order = sorted(range(len(needles)), key=lambda j: (places[j], j))
+  ids, done, first = list(head), 0, None
+  for j in order:
+    ids += hay[done:places[j]]
+    done = places[j]
+    if j == 0:
+      first = len(ids)
+    ids += needles[j]
+  return ids + hay[done:], first
 
 
 def rows_of(prompts, seq_len):
@@ -159,7 +187,6 @@ def make_predict(model, rules):
   """predict(params, batch, where, moe_bias=None) -> argmax ids [B, W] at positions `where`
   [B, W] (jit it); `moe_bias` routes as training did (maxlm/model/moe_state.py)."""
   import flax.linen as nn
-  import jax
   import jax.numpy as jnp
   from maxlm.model import sharding
   sp = model.settings.sparse

@@ -12,8 +12,9 @@ multi-key and variable-tracking tasks:
             question asks for the last link: "Which number does VAR D hold? VAR D holds" ->
             " KEY". The answer is never next to the question's name.
 
-TASKS maps each task's name to its builder, each with passkey.build's signature. Names, keys
-and places come from numpy's generator seeded by (seed, length, depth, sample, task).
+TASKS maps each task's name to its builder, each with passkey.build's signature; all lay their
+needles out through passkey.lay_out. Names, keys and places come from numpy's generator seeded
+by (seed, length, depth, sample, the task's chain length).
 """
 
 import numpy as np
@@ -35,7 +36,7 @@ def multikey(encode, bos, stream, lengths, depths=passkey.DEPTHS, samples=4, see
                for n, k in zip(names, keys)]
     question = encode(f"\nWhat is the pass key for {names[0]}? The pass key for {names[0]} is")
     return needles, question, encode(f" {keys[0]}"), keys[0]
-  return _prompts(make, 1, encode, bos, stream, lengths, depths, samples, seed)
+  return passkey.lay_out(make, 1, bos, stream, lengths, depths, samples, seed, (1,))
 
 
 def vartrack(encode, bos, stream, lengths, depths=passkey.DEPTHS, samples=4, seed=0):
@@ -49,47 +50,7 @@ def vartrack(encode, bos, stream, lengths, depths=passkey.DEPTHS, samples=4, see
     last = names[HOPS - 1]
     question = encode(f"\nWhich number does VAR {last} hold? VAR {last} holds")
     return ([encode(" " + t) for t in chain + distractor], question, encode(f" {key}"), key)
-  return _prompts(make, HOPS, encode, bos, stream, lengths, depths, samples, seed)
-
-
-def _prompts(make, chained, encode, bos, stream, lengths, depths, samples, seed):
-  """Prompts whose first needle sits at `depth`; the next `chained - 1` needles follow it in
-  order at random later places, the rest anywhere."""
-  if not len(stream):
-    raise ValueError("no held-out text to build haystacks from")
-  prompts = []
-  for length in lengths:
-    for d, depth in enumerate(depths):
-      for i in range(samples):
-        rng = np.random.default_rng([seed, length, d, i, chained])
-        needles, question, answer, key = make(rng)
-        hay_len = length - sum(map(len, needles)) - len(question) - len(answer)
-        if hay_len < 0:
-          raise ValueError(f"a retrieval prompt of {length} positions cannot hold its needles "
-                           f"and question ({length - hay_len} tokens)")
-        start = int(rng.integers(0, len(stream)))
-        hay = stream[(start + np.arange(hay_len)) % len(stream)].tolist()
-        at = round(depth / 100 * hay_len)
-        places = [at] + sorted(rng.integers(at, hay_len + 1, chained - 1).tolist()) + \
-            rng.integers(0, hay_len + 1, len(needles) - chained).tolist()
-        ids, first = _insert([bos], hay, needles, places)
-        prompts.append(passkey.Prompt(length, depth, key, ids + question + answer, first,
-                                      len(answer)))
-  return prompts
-
-
-def _insert(head, hay, needles, places):
-  """(head + hay with needles[j] inserted before hay[places[j]] (ties keep needle order),
-  index of needles[0]'s first token)."""
-  order = sorted(range(len(needles)), key=lambda j: (places[j], j))
-  ids, done, first = list(head), 0, None
-  for j in order:
-    ids += hay[done:places[j]]
-    done = places[j]
-    if j == 0:
-      first = len(ids)
-    ids += needles[j]
-  return ids + hay[done:], first
+  return passkey.lay_out(make, HOPS, bos, stream, lengths, depths, samples, seed, (HOPS,))
 
 
 TASKS = {"passkey": passkey.build, "multikey": multikey, "vartrack": vartrack}
