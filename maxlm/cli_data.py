@@ -217,7 +217,7 @@ def cmd_docs(args):
       print(json.dumps(row, ensure_ascii=False))
   else:
     print("\n".join(doclist.format_rows(found)))
-  if doclist.REMOVED in which and doclist.removed(args.data_dir) is None:
+  if doclist.REMOVED in which and not doclist.has_removed(args.data_dir):
     print(f"({args.data_dir} was prepared before data dirs kept their removed documents: "
           "kept ones only)", file=sys.stderr)
 

@@ -140,7 +140,7 @@ def _mark_trained(config, table, sources):
   plan.py), and lists in `not_trained` every source of the data no stage trains on, scored
   or not (one without held-out text has no row, but is named all the same)."""
   from maxlm.data import plan
-  left_out = plan.unmixed([config.mix_for(i) for i in range(len(config.stages))], sources)
+  left_out = plan.untrained(config, sources)
   for name, entry in table["sources"].items():
     entry["trained"] = name not in left_out
   table["not_trained"] = left_out

@@ -22,7 +22,8 @@ def rows(data_dir, source=None, pattern=None, which=(KEPT, REMOVED)):
   None) and whose id matches the regular expression `pattern` (any if None)."""
   store.load_manifest(data_dir)  # a data dir, and one whose files match their manifest
   match = _matcher(pattern)
-  index, gone = store.load_index(data_dir), removed(data_dir) or []
+  index = store.load_index(data_dir)
+  gone = (removed(data_dir) or []) if REMOVED in which or source is not None else []
   known = list(dict.fromkeys([*index.sources, *(r["source"] for r in gone if r["source"])]))
   if source is not None and source not in known:
     raise MaxlmError(f"--source {source!r}: {data_dir} has sources {', '.join(known)}")
@@ -44,10 +45,15 @@ def rows(data_dir, source=None, pattern=None, which=(KEPT, REMOVED)):
 
 def removed(data_dir):
   """The rows of removed.jsonl, or None for a data dir prepared before it existed."""
-  path = io.join(data_dir, store.REMOVED)
-  if not io.exists(path):
+  if not has_removed(data_dir):
     return None
-  return [json.loads(line) for line in io.read_bytes(path).decode().splitlines() if line]
+  data = io.read_bytes(io.join(data_dir, store.REMOVED))
+  return [json.loads(line) for line in data.decode().splitlines() if line]
+
+
+def has_removed(data_dir):
+  """Whether the data dir keeps its removed documents (prepared since removed.jsonl exists)."""
+  return io.exists(io.join(data_dir, store.REMOVED))
 
 
 def removed_row(data_dir, doc_id):

@@ -120,11 +120,10 @@ def ledger(planner):
   for name, acc in totals.items():
     train = planner.pools[planner.index.sources.index(name)].train_tokens
     acc["exposure"] = round(acc["body"] / train, 6) if train else 0.0
-  mixes = [planner.config.mix_for(s) for s in range(len(stages))]
   return {"stages": stages, "totals": totals,
           "padding": sum(st["padding"] for st in stages),
           "positions": sum(st["positions"] for st in stages),
-          "not_trained": plan.unmixed(mixes, planner.index.sources)}
+          "not_trained": plan.untrained(planner.config, planner.index.sources)}
 
 
 def format_table(led, names=None):

@@ -82,6 +82,11 @@ def unmixed(mixes, names):
   return [n for n in names if n not in named]
 
 
+def untrained(config, names):
+  """The sources among `names` that no stage of `config` trains on (unmixed over its mixes)."""
+  return unmixed([config.mix_for(s) for s in range(len(config.stages))], names)
+
+
 def unmixed_line(left_out, strict=False):
   """The one line that names sources no stage trains on (as a warning, or `strict`'s error)."""
   return (f"no stage's mix names source{'s' if len(left_out) > 1 else ''} "

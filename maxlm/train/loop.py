@@ -63,8 +63,7 @@ def _train(config, stop_after, force, lookahead, log):
 
 
 def _warn_unmixed(config, data, log):
-  left_out = plan.unmixed([config.mix_for(s) for s in range(len(config.stages))],
-                          data.index.sources)
+  left_out = plan.untrained(config, data.index.sources)
   if left_out and config.data.strict:
     raise MaxlmError(plan.unmixed_line(left_out, strict=True))
   if left_out:
