@@ -14,7 +14,7 @@ from maxlm.config_checks import MAX_BATCH, MAX_MODEL_DIM, MAX_SEQ_LEN
 from maxlm.config_checks import above as _above, at_least as _at_least, in_range as _in_range
 from maxlm import config_rules
 from maxlm.config_grpo import GrpoConfig
-from maxlm.config_model import AttentionConfig, MoeConfig
+from maxlm.config_model import AttentionConfig, MhcConfig, MoeConfig
 from maxlm.config_sparse import SparseConfig
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml, resolve_path
 
@@ -102,6 +102,7 @@ class ModelConfig:
   max_logit: bool = True  # report the largest attention logit (exact; an extra pass on splash only)
   moe: MoeConfig = MoeConfig()
   attention: AttentionConfig = AttentionConfig()
+  mhc: MhcConfig = MhcConfig()
 
   def check(self, key):
     if self.size not in MODEL_SIZES:
@@ -125,6 +126,7 @@ class ModelConfig:
                         f"got {self.remat!r}")
     self.moe.check(f"{key}.moe", self.n_layers)
     self.attention.check(f"{key}.attention")
+    self.mhc.check(f"{key}.mhc")
 
 
 @dataclasses.dataclass(frozen=True)

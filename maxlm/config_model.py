@@ -1,10 +1,11 @@
-"""The model's optional families: mixture-of-experts layers (`model.moe`) and local/global
-attention (`model.attention`). Split from config.py, which holds the dense model's keys; the
+"""The model's optional families: mixture-of-experts layers (`model.moe`), local/global
+attention (`model.attention`) and hyper-connections (`model.mhc`). Split from config.py, which holds the dense model's keys; the
 layer pattern both decide is built in one place, maxlm/model/layers.py."""
 
 import dataclasses
 
-from maxlm.config_checks import MAX_MODEL_DIM, MAX_SEQ_LEN, at_least, in_range, one_of
+from maxlm.config_checks import (MAX_MODEL_DIM, MAX_SEQ_LEN, above, at_least, in_range,
+                                 one_of)
 from maxlm.typed_yaml import ConfigError
 
 MOE_SCORES = ("softmax", "sigmoid")
@@ -72,3 +73,17 @@ class AttentionConfig:
       raise ConfigError(f"{key}.global_every: 1 makes every layer global, so {key}.window="
                         f"{self.window} is never used; expected 0 (every layer local) or >= 2, "
                         f"or {key}.window=0 for all-global")
+
+
+@dataclasses.dataclass(frozen=True)
+class MhcConfig:
+  """Manifold-constrained hyper-connections: the residual as parallel streams mixed around
+  every block (DeepSeek-V4; maxlm/model/mhc.py, docs/model.md)."""
+  streams: int = 0  # in [0, 16]; residual streams (DeepSeek-V4: 4); 0: the plain residual
+  sinkhorn_iters: int = 20  # in [1, 100]; Sinkhorn steps making the residual map doubly stochastic
+  eps: float = 1e-6  # > 0; the floor added to the collapse weights and inside Sinkhorn
+
+  def check(self, key):
+    in_range(f"{key}.streams", self.streams, 0, 16)
+    in_range(f"{key}.sinkhorn_iters", self.sinkhorn_iters, 1, 100)
+    above(f"{key}.eps", self.eps, 0)

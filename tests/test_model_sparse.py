@@ -269,6 +269,8 @@ def test_gpu_sparse_check_runs_its_commands_in_dry_run(tmp_path):
                         timeout=HANG_S)
   assert proc.returncode == 0, proc.stderr[-2000:]
   out = json.loads((tmp_path / "sparse_vs_blockwise.json").read_text())
+  cases = {k: v for k, v in out.items() if k.endswith("_512")}
+  assert "sparse_over_dense_512" in out, cases  # a case's process failed: its error is there
   assert out["sparse_over_dense_512"] > 0 and out["sparse_peak_rss_gib_512"] > 0
   assert out["topk_full_block_max_rel_diff"] < 1e-5
 

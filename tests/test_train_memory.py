@@ -22,7 +22,9 @@ BASE = ["model.size=demo", "model.dtype=float32", "model.vocab_size=1024", "mode
     (4, ["model.remat=full", "stages.0.mesh.data=1", "stages.0.mesh.fsdp=4"]),
     (4, ["model.remat=dots", "stages.0.mesh.data=2", "stages.0.mesh.tensor=2"]),
     (4, ["model.remat=full", "stages.0.mesh.data=2", "stages.0.mesh.context=2"]),
-], ids=["none", "fsdp4-full", "tensor2-dots", "context2-full"])
+    (4, ["model.remat=full", "stages.0.mesh.data=1", "stages.0.mesh.fsdp=4",
+         "model.mhc.streams=4"]),
+], ids=["none", "fsdp4-full", "tensor2-dots", "context2-full", "fsdp4-full-mhc4"])
 def test_estimate_is_within_a_quarter_of_xla(devices, overrides):
   cfg = config_lib.load(str(ROOT / "configs/demo.yaml"), [*BASE, *overrides])
   xla = memory.compiled(cfg, 0, devices, 1024)

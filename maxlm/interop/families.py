@@ -54,6 +54,10 @@ def family(cfg):
   """The family a ModelConfig exports to; CannotExpress (one line, naming the key) when none
   holds it."""
   moe, window = cfg.moe, cfg.attention.window
+  if cfg.mhc.streams:
+    raise hf_config.CannotExpress(
+        f"model.mhc.streams={cfg.mhc.streams}: hyper-connections exist in transformers only "
+        "inside DeepseekV4ForCausalLM, whose attention and experts are not this decoder's")
   if not moe.enabled:
     return MINISTRAL if window else LLAMA
   if moe.score == "softmax":

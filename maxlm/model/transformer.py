@@ -4,6 +4,8 @@ Linen rather than NNX: its parameters are a plain pytree that jit shardings, opt
 take as they are, and `nn.scan` stacks the layers so compile time does not grow with depth.
 
 embedding -> n x [RMSNorm -> GQA attention (RoPE on positions) -> RMSNorm -> SwiGLU] -> RMSNorm
+With `model.mhc.streams` N > 0 the residual is N streams, collapsed into each block's input and
+spread back from its output by hyper-connections (mhc.py), and collapsed once more at the end.
 The forward returns the final hidden states and the largest attention logit; the vocabulary
 projection happens inside the chunked loss (`loss`), so [B, L, vocab] is never built whole.
 """
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm import MaxlmError
-from maxlm.model import layers as layers_lib, moe, rope as rope_lib
+from maxlm.model import layers as layers_lib, mhc, moe, rope as rope_lib
 from maxlm.model.dense import constrain, dense, init
 from maxlm.model.mlp import Mlp
 from maxlm.model.attention import attention, decode as decode_attention
@@ -146,15 +148,39 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+  def __call__(self, x, positions_BxL, segment_ids_BxL):
+    """x: the residual x_BxLxD, or with hyper-connections its streams x_BxLxNxD."""
     c = self.cfg
     dt = jnp.dtype(c.dtype)
-    h, peak = Attention(c, self.settings, self.decode, self.spec.window, name="attention")(
-        RMSNorm(c.norm_eps, dt, name="attention_norm")(x_BxLxD), positions_BxL, segment_ids_BxL)
-    x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
-    x_BxLxD = x_BxLxD + self._mlp(RMSNorm(c.norm_eps, dt, name="mlp_norm")(x_BxLxD),
-                                  segment_ids_BxL)
+
+    def attend(h_BxLxD):
+      return Attention(c, self.settings, self.decode, self.spec.window, name="attention")(
+          RMSNorm(c.norm_eps, dt, name="attention_norm")(h_BxLxD), positions_BxL,
+          segment_ids_BxL)
+
+    def mlp(h_BxLxD):
+      return self._mlp(RMSNorm(c.norm_eps, dt, name="mlp_norm")(h_BxLxD), segment_ids_BxL)
+
+    if c.mhc.streams:
+      return self._streams(x, attend, mlp)
+    h, peak = attend(x)
+    x_BxLxD = constrain(x + h, ("batch", "length", "act_embed"))
+    x_BxLxD = x_BxLxD + mlp(x_BxLxD)
     return constrain(x_BxLxD, ("batch", "length", "act_embed")), peak
+
+  def _streams(self, x_BxLxNxD, attend, mlp):
+    """The same two blocks, each collapsing the streams on the way in and spreading its
+    output over them on the way out (maxlm/model/mhc.py)."""
+    c = self.cfg
+    hc = (c.mhc.streams, c.mhc.sinkhorn_iters, c.mhc.eps, c.norm_eps, c.init_std)
+    names = ("batch", "length", None, "act_embed")
+    inp_BxLxD, post_BxLxN, res_BxLxNxN = mhc.HyperConnection(*hc, name="attention_hc")(
+        x_BxLxNxD)
+    h, peak = attend(inp_BxLxD)
+    x_BxLxNxD = constrain(mhc.expand(x_BxLxNxD, h, post_BxLxN, res_BxLxNxN), names)
+    inp_BxLxD, post_BxLxN, res_BxLxNxN = mhc.HyperConnection(*hc, name="mlp_hc")(x_BxLxNxD)
+    x_BxLxNxD = mhc.expand(x_BxLxNxD, mlp(inp_BxLxD), post_BxLxN, res_BxLxNxN)
+    return constrain(x_BxLxNxD, names), peak
 
   def _mlp(self, x_BxLxD, segment_ids_BxL):
     if not self.spec.moe:
@@ -209,7 +235,13 @@ class Decoder(nn.Module):
         (c.vocab_size, c.d_model), jnp.float32)
     x_BxLxD = constrain(jnp.take(table_VxD.astype(dt), tokens_BxL, axis=0),
                         ("batch", "length", "act_embed"))
-    x_BxLxD, peak = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL)
+    if c.mhc.streams:
+      streams_BxLxNxD, peak = self._layers(mhc.widen(x_BxLxD, c.mhc.streams), positions_BxL,
+                                           segment_ids_BxL)
+      x_BxLxD = mhc.HyperHead(c.mhc.streams, c.mhc.eps, c.norm_eps, c.init_std,
+                              name="mhc_head")(streams_BxLxNxD)
+    else:
+      x_BxLxD, peak = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL)
     h_BxLxD = RMSNorm(c.norm_eps, dt, name="final_norm")(x_BxLxD)
     if c.tied_embeddings:
       head_DxV = table_VxD.T

@@ -31,7 +31,8 @@ MoE layer, which a device holds whatever route its tokens take; the activation t
 the width a position goes through, averaged over layers ((top_k + shared) x the expert width
 in an MoE layer, `mlp_width`), plus the routing copies (2 top_k D + E a position). FLOPs and
 MFU count only the active parameters instead (maxlm/model/build.py); `param_counts` gives both.
-Sparse-attention stages' indexer is not counted.
+Hyper-connections (`model.mhc.streams` N) widen the residual to N x D and keep float32 copies
+of it per layer (`_streams_saved`). Sparse-attention stages' indexer is not counted.
 
 The check: `tools/bench_memory.py` compiles the train step on fake CPU devices for sizes, remat
 policies and fsdp / tensor / context splits and compares (tests/test_train_memory.py holds a few
@@ -59,6 +60,12 @@ class Fit(typing.NamedTuple):
   working_bytes: float  # bytes an element of the backward pass's live set
   logit_copies: float  # float32 copies of the loss's logits chunk live at its peak
 
+
+# hyper-connections (model.mhc): stream copies of D kept per position and layer by remat
+# policy, and live in the backward pass's working set, fitted to XLA:CPU's accounting of
+# configs/demo.yaml with 4 streams (tests/test_train_memory.py)
+MHC_SAVED = {"none": 13.0, "dots": 7.0, "dots_no_batch": 7.0}
+MHC_WORKING = {"none": 1.2, "full": 9.0, "dots": 1.2, "dots_no_batch": 1.2}
 
 # what each compiler keeps, fitted to its accounting over the same cases: XLA:CPU by
 # tools/bench_memory.py (it computes in float32); XLA:TPU and XLA:GPU by
@@ -91,6 +98,7 @@ def estimate(config, s, n_devices, vocab, platform=None):
   saved = {"none": 7 * d + 3 * (h + k) * hd + 5 * f, "full": d,
            "dots": 2 * d + (h + 2 * k) * hd + 2 * f}[m.remat.replace("dots_no_batch", "dots")]
   saved += _routing(m) if m.remat != "full" else 0
+  saved_f32 = _streams_saved(m, d)
   w_f, w_a, w_d = WORKING[m.remat]
   platform = platform or jax.default_backend()
   fit = FIT[platform]
@@ -105,8 +113,9 @@ def estimate(config, s, n_devices, vocab, platform=None):
   copies = 2 if holds_reference(config, s) else 1
   parts = {"params": 4 * count * copies, "optimizer": 8 * count,
            "gradients": 4 * count * (2 if config.train.grad_accum > 1 else 1),
-           "activations": m.n_layers * (n * saved * cdt + kept),
-           "working": (n * (w_f * f + w_a * (h + k) * hd + w_d * d) * fit.working_bytes
+           "activations": m.n_layers * (n * (saved * cdt + saved_f32 * 4) + kept),
+           "working": (n * (w_f * f + w_a * (h + k) * hd + w_d * d
+                            + MHC_WORKING[m.remat] * m.mhc.streams * d) * fit.working_bytes
                        + 4 * layer_weights
                        + _tile_copies(m, impl_lib.grouped_impl(platform), n, cdt)),
            "attention": scores + kv + zigzag,
@@ -115,6 +124,16 @@ def estimate(config, s, n_devices, vocab, platform=None):
   peak = max(parts["working"] + parts["attention"], parts["logits"])
   state = parts["params"] + parts["optimizer"] + parts["gradients"]
   return {**parts, "state": state, "total": state + parts["activations"] + peak}
+
+
+def _streams_saved(m, d):
+  """Float32 elements a position keeps per layer for hyper-connections beyond the plain
+  residual: under `full` the layer's input is N streams of D, not one; otherwise each of the
+  layer's two connections keeps float32 copies of the streams (MHC_SAVED)."""
+  n = m.mhc.streams
+  if not n:
+    return 0
+  return (n - 1) * d if m.remat == "full" else MHC_SAVED[m.remat] * n * d
 
 
 def mlp_width(m):
