@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from maxlm import config
+from maxlm.interop import families, hf_config
 from maxlm.model import build, mhc
 from maxlm.parallel import mesh as mesh_lib
 
@@ -151,3 +152,9 @@ def test_the_streams_are_parameters_of_every_layer_and_the_head():
   _, _, plain = _decoder_case(0)
   assert not any("hc" in "/".join(map(str, p)) for p, _ in
                  jax.tree_util.tree_leaves_with_path(plain))
+
+
+def test_export_refuses_streams_in_one_line():
+  cfg, _, _ = _decoder_case(4)
+  with pytest.raises(hf_config.CannotExpress, match="model.mhc.streams=4"):
+    families.family(cfg.model)
