@@ -69,3 +69,20 @@ def apply(x_BxLxHxD, positions_BxL, rope):
   first, second = x[..., :d // 2], x[..., d // 2:]
   out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
   return out.astype(x_BxLxHxD.dtype)
+
+
+def apply_tail(x, positions, theta, rope_dim, inverse=False):
+  """DeepSeek-V4's RoPE: only the last `rope_dim` channels turn, in adjacent pairs
+  (x[2i], x[2i + 1]) (transformers' deepseek_v4 `apply_rotary_pos_emb`); the others pass.
+  x: [..., L, D] or [..., L, H, D] with positions [..., L]. `inverse` turns back by the same
+  angle (V4 undoes the keys' rotation on the attention output)."""
+  inv = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+  angle = positions.astype(jnp.float32)[..., None] * inv.astype(np.float32)
+  if x.ndim == positions.ndim + 2:  # a heads axis
+    angle = angle[..., None, :]
+  cos, sin = jnp.cos(angle), jnp.sin(angle) * (-1.0 if inverse else 1.0)
+  x32 = x.astype(jnp.float32)
+  keep, turn = x32[..., :-rope_dim], x32[..., -rope_dim:]
+  even, odd = turn[..., 0::2], turn[..., 1::2]
+  turned = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+  return jnp.concatenate([keep, turned.reshape(turn.shape)], axis=-1).astype(x.dtype)

@@ -1,0 +1,146 @@
+"""DeepSeek-V4's attention layer on packed rows: one shared key-value head, RoPE on part of each
+head, a sliding window of the query's own document, compressed entries (CSA or HCA,
+compressed.py), a learned sink per head and a grouped output projection.
+
+For a layer's input x_BxLxD (H heads of width K, R of them rotated, m the compression rate):
+  queries   q = RMSNorm_unweighted(W_qb RMSNorm(W_qa x)) per head, the last R channels rotated
+            at the query's position;
+  key=value kv = RMSNorm(W_kv x), one head, rotated alike;
+  entries   m = 0: none. HCA: every closed window of the query's document. CSA: the indexer's
+            top-k of them (its own compressor, queries from W_qa x, compressed.select);
+  attention over the window's tokens and the entries, with the sink (compressed.attend); the
+            output's last R channels turned back by the query's angle (K = V carried it);
+  output    heads split into G groups, each projected to O channels, then all G O to D.
+The rotation base is `theta` without compression and `compress_theta` with it, as in V4.
+
+Written here because no JAX library has it; tests/test_model_mqa.py checks it against
+transformers' DeepseekV4Attention on single documents and against each document alone on
+packed rows.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from maxlm.model import compressed, rope as rope_lib
+from maxlm.model.dense import init
+
+
+@dataclasses.dataclass(frozen=True)
+class MqaSpec:
+  """One V4 attention layer's shape."""
+  heads: int
+  head_dim: int
+  rope_dim: int
+  q_lora: int
+  out_groups: int
+  out_lora: int
+  window: int
+  rate: int = 0  # 0: window only; > 0 with overlap: CSA; > 0 without: HCA
+  overlap: bool = False
+  index_heads: int = 0
+  index_dim: int = 0
+  index_top_k: int = 0
+  theta: float = 10000.0
+  compress_theta: float = 160000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+
+
+def _rms(x, eps, scale=None):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y if scale is None else y * scale
+
+
+class Compressor(nn.Module):
+  """The entries of one series (the layer's or the indexer's): projections, slot bias, norm."""
+  spec: MqaSpec
+  width: int  # an entry's channels
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    s = self.spec
+    c = self.width * (2 if s.overlap else 1)
+    kv = self._dense(c, "kv")(x_BxLxD)
+    gate = self._dense(c, "gate")(x_BxLxD)
+    bias = self.param("slot_bias", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                (None, None)),
+                      (s.rate, c), jnp.float32)
+    scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (self.width,), jnp.float32)
+    pooled, end_BxE, valid_BxE = compressed.pool(kv, gate, bias, positions_BxL,
+                                                 segment_ids_BxL, s.rate, s.overlap)
+    at_BxE = compressed.entry_positions(positions_BxL, end_BxE, s.rate)
+    entries = compressed.normalize_and_rotate(pooled, scale, s.norm_eps, at_BxE,
+                                              s.compress_theta, s.rope_dim)
+    return entries, compressed.visible(segment_ids_BxL, end_BxE, valid_BxE)
+
+  def _dense(self, features, name):
+    return nn.DenseGeneral(features, use_bias=False, dtype=jnp.float32,
+                           param_dtype=jnp.float32, name=name,
+                           kernel_init=nn.with_logical_partitioning(init(self.spec.init_std),
+                                                                    ("embed", None)))
+
+
+class Mqa(nn.Module):
+  spec: MqaSpec
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    s, dt = self.spec, self.dtype
+    theta = s.compress_theta if s.rate else s.theta
+    q_low_BxLxQ = _rms(self._dense(s.q_lora, ("embed", None), "q_a")(x_BxLxD), s.norm_eps,
+                       self._scale(s.q_lora, "q_a_norm"))
+    q = self._dense((s.heads, s.head_dim), (None, "q_heads", "head_dim"), "q_b")(q_low_BxLxQ)
+    q_BxLxHxK = rope_lib.apply_tail(_rms(q, s.norm_eps), positions_BxL, theta, s.rope_dim)
+    kv = _rms(self._dense(s.head_dim, ("embed", "head_dim"), "kv")(x_BxLxD), s.norm_eps,
+              self._scale(s.head_dim, "kv_norm"))
+    kv_BxLxK = rope_lib.apply_tail(kv, positions_BxL, theta, s.rope_dim)
+    entries_BxExK, mask_BxLxE = self._entries(x_BxLxD, q_low_BxLxQ, positions_BxL,
+                                              segment_ids_BxL)
+    sink_H = self.param("sink", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                             ("q_heads",)), (s.heads,),
+                        jnp.float32)
+    out = compressed.attend(q_BxLxHxK.astype(dt), kv_BxLxK.astype(dt), entries_BxExK.astype(dt),
+                            mask_BxLxE, segment_ids_BxL, s.window, sink_H)
+    out = rope_lib.apply_tail(out, positions_BxL, theta, s.rope_dim, inverse=True)
+    b, length = out.shape[:2]
+    grouped = out.reshape(b, length, s.out_groups, s.heads * s.head_dim // s.out_groups)
+    w_a = self.param("o_a", nn.with_logical_partitioning(init(s.init_std), (None, None, None)),
+                     (s.out_groups, grouped.shape[-1], s.out_lora), jnp.float32)
+    low = jnp.einsum("blgi,gio->blgo", grouped, w_a.astype(dt)).reshape(b, length, -1)
+    return self._dense(x_BxLxD.shape[-1], (None, "embed"), "o_b")(low)
+
+  def _entries(self, x_BxLxD, q_low_BxLxQ, positions_BxL, segment_ids_BxL):
+    """The compressed entries and which each query attends to (none for a window-only
+    layer)."""
+    s = self.spec
+    b, length = x_BxLxD.shape[:2]
+    if not s.rate:
+      return jnp.zeros((b, 0, s.head_dim)), jnp.zeros((b, length, 0), bool)
+    entries, visible_BxLxE = Compressor(s, s.head_dim, name="compressor")(
+        x_BxLxD, positions_BxL, segment_ids_BxL)
+    if not s.overlap:  # HCA: every closed entry of the document
+      return entries, visible_BxLxE
+    keys_BxExC, _ = Compressor(s, s.index_dim, name="index_compressor")(
+        x_BxLxD, positions_BxL, segment_ids_BxL)
+    q_BxLxJxC = self._dense((s.index_heads, s.index_dim), (None, None, None), "index_q")(
+        q_low_BxLxQ)
+    q_BxLxJxC = rope_lib.apply_tail(q_BxLxJxC, positions_BxL, s.compress_theta, s.rope_dim)
+    w_BxLxJ = self._dense(s.index_heads, ("embed", None), "index_weights")(x_BxLxD)
+    scores = compressed.index_scores(q_BxLxJxC, w_BxLxJ * s.index_heads ** -0.5, keys_BxExC)
+    return entries, compressed.select(scores, visible_BxLxE, s.index_top_k)
+
+  def _dense(self, features, names, name):
+    return nn.DenseGeneral(features, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                           name=name, kernel_init=nn.with_logical_partitioning(
+                               init(self.spec.init_std), names))
+
+  def _scale(self, width, name):
+    return self.param(name, nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                      (width,), jnp.float32)
