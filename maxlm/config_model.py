@@ -8,7 +8,7 @@ from maxlm.config_checks import (MAX_MODEL_DIM, MAX_SEQ_LEN, above, at_least, in
                                  one_of)
 from maxlm.typed_yaml import ConfigError
 
-MOE_SCORES = ("softmax", "sigmoid")
+MOE_SCORES = ("softmax", "sigmoid", "sqrt_softplus")
 MOE_BALANCE = ("bias", "aux_loss", "none")
 
 
@@ -21,7 +21,9 @@ class MoeConfig:
   d_ff: int = 0  # >= 0; width of each expert's MLP (0: model.d_ff)
   every: int = 1  # >= 1; after the first `first_dense` layers, every n-th layer is MoE
   first_dense: int = 0  # >= 0, < model.n_layers; the first k layers keep a dense MLP
-  score: str = "sigmoid"  # sigmoid (DeepSeek-V3, with balance bias) | softmax (Qwen-MoE, Mixtral)
+  # sigmoid (DeepSeek-V3, with balance bias) | softmax (Qwen-MoE, Mixtral) | sqrt_softplus
+  # (DeepSeek-V4: the square root of softplus, with balance bias)
+  score: str = "sigmoid"
   norm_topk: bool = True  # the k chosen experts' weights are renormalized to sum to 1
   # bias (DeepSeek-V3's auxiliary-loss-free per-expert bias, updated from each step's load
   # outside the gradient) | aux_loss (only the load-balancing loss below) | none
@@ -30,6 +32,10 @@ class MoeConfig:
   aux_loss: float = 0.0  # >= 0; weight of the load-balancing loss (Switch / GShard), any balance
   router_z_loss: float = 0.0  # >= 0; weight of the router's log-partition (z) loss
   capacity_factor: float = 0.0  # >= 0; 0: dropless; > 0: tokens per expert capped, overflow dropped
+  route_scale: float = 1.0  # > 0; the chosen experts' weights times this (DeepSeek-V4: 1.5)
+  # >= 0; the experts' (and shared experts') SwiGLU gate is clamped to at most this and its up
+  # projection to [-limit, limit] (DeepSeek-V4: 10); 0: no clamp
+  swiglu_limit: float = 0.0
 
   @property
   def enabled(self):
@@ -43,8 +49,9 @@ class MoeConfig:
     at_least(f"{key}.first_dense", self.first_dense, 0)
     one_of(f"{key}.score", self.score, MOE_SCORES)
     one_of(f"{key}.balance", self.balance, MOE_BALANCE)
-    for name in ("bias_rate", "aux_loss", "router_z_loss", "capacity_factor"):
+    for name in ("bias_rate", "aux_loss", "router_z_loss", "capacity_factor", "swiglu_limit"):
       at_least(f"{key}.{name}", getattr(self, name), 0)
+    above(f"{key}.route_scale", self.route_scale, 0)
     if not self.enabled:
       return
     in_range(f"{key}.top_k", self.top_k, 1, self.experts)

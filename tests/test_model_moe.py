@@ -304,3 +304,41 @@ def test_layer_computes_in_the_model_dtype_with_float32_params():
   assert y16.dtype == jnp.bfloat16 and y32.dtype == jnp.float32
   scale = float(jnp.max(jnp.abs(y32)))
   np.testing.assert_allclose(y16.astype(jnp.float32), y32, atol=0.05 * scale)
+
+
+def test_deepseek_v4_routing_equals_transformers():
+  """sqrt_softplus scores, the selection bias, route_scale and the clamped SwiGLU of routed and
+  shared experts against transformers' DeepseekV4SparseMoeBlock (a learned-router layer)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+  limit = 0.4  # low enough that the clamp acts on these activations
+  cfg = model_config(score="sqrt_softplus", route_scale=1.5, swiglu_limit=limit,
+                     shared_experts=1)
+  x_BxLxD = inputs(5).reshape(B, L, D)
+  seg = jnp.ones((B, L), jnp.int32)
+  params = nn.meta.unbox(jax.jit(moe.MoeMlp(cfg).init)(jax.random.key(3), x_BxLxD, seg)["params"])
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(4), len(leaves))
+  params = jax.tree.unflatten(tree, [jax.random.normal(k, p.shape) * 0.3
+                                     for k, p in zip(keys, leaves)])
+  bias = jax.random.normal(jax.random.key(6), (E,)) * 0.1
+  y, _ = apply_layer(cfg, params, x_BxLxD, seg, {"bias": bias})
+  ref = hf.DeepseekV4SparseMoeBlock(transformers.DeepseekV4Config(
+      hidden_size=D, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=2,
+      n_shared_experts=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+      swiglu_limit=limit, num_hidden_layers=1, mlp_layer_types=["moe"], vocab_size=64,
+      num_attention_heads=2, head_dim=16), 0)
+  t = lambda a: torch.from_numpy(np.asarray(a, np.float32))  # noqa: E731
+  gate_up, down = params["experts"]["gate_up"], params["experts"]["down"]  # [E,D,2,F], [E,F,D]
+  shared_gate_up = params["shared"]["gate_up"]["kernel"]  # [D, 2, F]
+  with torch.no_grad():
+    ref.gate.weight.copy_(t(params["router"]["kernel"]).T)
+    ref.gate.e_score_correction_bias.copy_(t(bias))
+    ref.experts.gate_up_proj.copy_(t(gate_up).permute(0, 2, 3, 1).reshape(E, 2 * F, D))
+    ref.experts.down_proj.copy_(t(down).transpose(1, 2))
+    ref.shared_experts.gate_proj.weight.copy_(t(shared_gate_up[:, 0]).T)
+    ref.shared_experts.up_proj.weight.copy_(t(shared_gate_up[:, 1]).T)
+    ref.shared_experts.down_proj.weight.copy_(t(params["shared"]["down"]["kernel"]).T)
+    expected = ref(t(x_BxLxD)).numpy()
+  np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)

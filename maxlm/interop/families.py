@@ -60,6 +60,13 @@ def family(cfg):
         "inside DeepseekV4ForCausalLM, whose attention and experts are not this decoder's")
   if not moe.enabled:
     return MINISTRAL if window else LLAMA
+  v4 = [key for key, used in (("score", moe.score == "sqrt_softplus"),
+                              ("route_scale", moe.route_scale != 1.0),
+                              ("swiglu_limit", moe.swiglu_limit != 0.0)) if used]
+  if v4:
+    raise hf_config.CannotExpress(
+        f"model.moe.{v4[0]}={getattr(moe, v4[0])}: DeepSeek-V4's routing is not in the MoE "
+        "classes we export to (Qwen2-MoE, GLM-4-MoE)")
   if moe.score == "softmax":
     return QWEN2_MOE
   if window:

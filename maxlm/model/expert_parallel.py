@@ -58,7 +58,7 @@ def check_split(n_experts, n):
 
 
 def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
-                    impl=None, *, mesh, batch_axes=None):
+                    impl=None, limit=0.0, *, mesh, batch_axes=None):
   """`experts_grouped` with the experts split over the mesh's `expert` axis.
 
   batch_axes: the mesh axes splitting the T tokens (default: `token_axes` of the default rules);
@@ -77,7 +77,7 @@ def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
                      f"axes {' x '.join(axes)}")
   tokens, experts = P(axes, None), P(EXPERT_AXIS)
   local = functools.partial(_local, n=n, n_experts=n_experts, capacity=capacity, impl=impl,
-                            token_axes=axes)
+                            limit=limit, token_axes=axes)
   # check_vma=False: a grouped matmul's scan (maxlm/model/grouped.py) carries weight gradients
   # that vary over the token axes too; the weights' gradients are still summed over them
   sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts),
@@ -86,7 +86,7 @@ def experts_sharded(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
 
 
 def _local(x_TxD, expert_TxK, weight_TxK, gate_up_GxDx2xF, down_GxFxD, *, n, n_experts,
-           capacity, impl, token_axes):
+           capacity, impl, limit, token_axes):
   """One device: its T/ways tokens and its G = E/n experts."""
   n_tokens, k = expert_TxK.shape
   n_slots, g, d = n_tokens * k, gate_up_GxDx2xF.shape[0], x_TxD.shape[1]
@@ -112,7 +112,7 @@ def _local(x_TxD, expert_TxK, weight_TxK, gate_up_GxDx2xF, down_GxFxD, *, n, n_e
   local_NxS = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(n_slots), side="right"))(ends_NxG)
   y_MxD = experts_grouped(  # local id g (past a block's rows): padding, contributes 0
       recv_NxSxD.reshape(n * n_slots, d), local_NxS.reshape(-1, 1).astype(jnp.int32),
-      jnp.ones((n * n_slots, 1), jnp.float32), gate_up_GxDx2xF, down_GxFxD, 0, impl)
+      jnp.ones((n * n_slots, 1), jnp.float32), gate_up_GxDx2xF, down_GxFxD, 0, impl, limit)
   back_NxSxD = _exchange(y_MxD.reshape(n, n_slots, d))
   y_SxD = jnp.where(sent_S[:, None], back_NxSxD[jnp.minimum(dest_S, n - 1), row_S], 0)
   unsort_S = jnp.zeros(n_slots, jnp.int32).at[order_S].set(jnp.arange(n_slots, dtype=jnp.int32))

@@ -13,10 +13,10 @@ capacity. maxlm/model/expert_parallel.py splits the same computation over the me
 
 import math
 
-import flax.linen as nn
 import jax.numpy as jnp
 
 from maxlm.model import grouped
+from maxlm.model.mlp import swiglu
 
 
 def capacity_for(cfg, n_tokens):
@@ -34,7 +34,7 @@ def dropped_slots(load_E, capacity):
 
 
 def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
-                    impl=None):
+                    impl=None, limit=0.0):
   """Routed SwiGLU experts over token slots sorted by expert (two grouped matmuls); computes in
   x's dtype. capacity 0: dropless; > 0: each expert's slots past `capacity` in token order
   contribute 0. Slots with expert id E (padding) contribute 0."""
@@ -56,7 +56,7 @@ def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
   gate_up_Sx2F = grouped.matmul(x_SxD, gate_up_ExDx2xF.reshape(n_experts, d, 2 * f).astype(dt),
                                 sizes_E, impl)
   gate_up_Sx2xF = gate_up_Sx2F.reshape(n_slots, 2, f)
-  h_SxF = nn.silu(gate_up_Sx2xF[:, 0]) * gate_up_Sx2xF[:, 1]
+  h_SxF = swiglu(gate_up_Sx2xF[:, 0], gate_up_Sx2xF[:, 1], limit)
   y_SxD = grouped.matmul(h_SxF, down_ExFxD.astype(dt), sizes_E, impl)
   y_SxD = jnp.where((jnp.arange(n_slots) < jnp.sum(sizes_E))[:, None], y_SxD, 0)
   unsort_S = jnp.zeros(n_slots, jnp.int32).at[order_S].set(jnp.arange(n_slots, dtype=jnp.int32))
@@ -64,14 +64,15 @@ def experts_grouped(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, 
   return jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), weight_TxK).astype(dt)
 
 
-def experts_loop(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0):
+def experts_loop(x_TxD, expert_TxK, weight_TxK, gate_up_ExDx2xF, down_ExFxD, capacity=0,
+                 limit=0.0):
   """Reference for experts_grouped: every expert runs on every token, then is masked."""
   n_tokens, k = expert_TxK.shape
   dt = x_TxD.dtype
   y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
   for e in range(gate_up_ExDx2xF.shape[0]):
     gate_up_Tx2xF = jnp.einsum("td,dgf->tgf", x_TxD, gate_up_ExDx2xF[e].astype(dt))
-    h_TxF = nn.silu(gate_up_Tx2xF[:, 0]) * gate_up_Tx2xF[:, 1]
+    h_TxF = swiglu(gate_up_Tx2xF[:, 0], gate_up_Tx2xF[:, 1], limit)
     out_TxD = (h_TxF @ down_ExFxD[e].astype(dt)).astype(jnp.float32)
     mine_S = expert_TxK.reshape(-1) == e
     if capacity:  # the first `capacity` slots in token order

@@ -6,9 +6,11 @@ maxlm/model/expert_parallel.py's when the mesh splits the experts:
 
   route(x_TxD, router_DxE, bias_E, moe_cfg, mask_T) -> (expert_TxK, weight_TxK, stats)
 
-Routing (DeepSeek-V3): router logits in float32; softmax or sigmoid scores; the bias (collection
-"moe_bias", updated outside the gradient by the training step) only chooses the top k, the
-weights are the unbiased scores of the chosen experts, renormalized over them with `norm_topk`.
+Routing (DeepSeek-V3): router logits in float32; softmax, sigmoid or (DeepSeek-V4) square root
+of softplus scores; the bias (collection "moe_bias", updated outside the gradient by the
+training step) only chooses the top k, the weights are the unbiased scores of the chosen
+experts, renormalized over them with `norm_topk`, times `route_scale`. `swiglu_limit` clamps
+the experts' activations as DeepSeek-V4 does.
 A slot whose token is padding (segment id 0) is routed to the sentinel expert E with weight 0:
 the expert computation computes nothing for it and counts it in neither load nor capacity.
 
@@ -40,6 +42,8 @@ def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
                        precision=jax.lax.Precision.HIGHEST)
   if cfg.score == "softmax":
     scores_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+  elif cfg.score == "sqrt_softplus":
+    scores_TxE = jnp.sqrt(jax.nn.softplus(logits_TxE))
   else:
     scores_TxE = jax.nn.sigmoid(logits_TxE)
   choice_TxE = scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
@@ -47,6 +51,7 @@ def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
   weight_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
   if cfg.norm_topk:
     weight_TxK = weight_TxK / (jnp.sum(weight_TxK, axis=-1, keepdims=True) + 1e-20)
+  weight_TxK = weight_TxK * cfg.route_scale
   if mask_T is None:
     mask_T = jnp.ones(x_TxD.shape[0], bool)
   expert_TxK = jnp.where(mask_T[:, None], expert_TxK, n_experts).astype(jnp.int32)
@@ -60,7 +65,7 @@ def _route_stats(logits_TxE, scores_TxE, expert_TxK, mask_T, cfg):
   n_real = jnp.maximum(jnp.sum(real_T), 1.0)
   load_E = jnp.bincount(expert_TxK.reshape(-1), length=n_experts).astype(jnp.float32)
   probs_TxE = scores_TxE
-  if cfg.score != "softmax":  # sigmoid scores, normalized per token into a distribution
+  if cfg.score != "softmax":  # sigmoid or sqrt_softplus scores, normalized per token
     probs_TxE = scores_TxE / (jnp.sum(scores_TxE, axis=-1, keepdims=True) + 1e-20)
   fraction_E = load_E / (n_real * cfg.top_k)
   mean_prob_E = jnp.sum(probs_TxE * real_T[:, None], axis=0) / n_real
@@ -138,12 +143,13 @@ class MoeMlp(nn.Module):
     mask_T = None if segment_ids_BxL is None else segment_ids_BxL.reshape(-1) > 0
     expert_TxK, weight_TxK, stats = route(x_TxD, router_DxE, bias_E, m, mask_T)
     capacity = experts.capacity_for(m, b * length)
-    y_TxD = _experts_fn(self.settings)(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity)
+    y_TxD = _experts_fn(self.settings)(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity,
+                                       limit=m.swiglu_limit)
     stats["dropped"] = experts.dropped_slots(stats["load"], capacity)
     for name, value in stats.items():
       self.sow("moe", name, value)
     y_BxLxD = y_TxD.reshape(b, length, d).astype(dt)
     if m.shared_experts:
       shared_cfg = dataclasses.replace(c, d_ff=m.shared_experts * d_ff)
-      y_BxLxD = y_BxLxD + Mlp(shared_cfg, name="shared")(x_BxLxD)
+      y_BxLxD = y_BxLxD + Mlp(shared_cfg, m.swiglu_limit, name="shared")(x_BxLxD)
     return y_BxLxD
