@@ -212,6 +212,10 @@ class TrainConfig:
   weight_decay: float = 0.1  # >= 0; never on norm scales
   decay_embeddings: bool = False  # whether the embedding table (and head) decay too
   clip: float = 1.0  # > 0; global gradient-norm clipping
+  # adamw | muon (Muon on the layers' matrices, AdamW on embeddings, head, norms and the rest:
+  # DeepSeek-V4's split, maxlm/train/muon.py)
+  optimizer: str = "adamw"
+  muon_momentum: float = 0.95  # in [0, 1); Muon's (Nesterov) momentum
   grad_accum: int = 1  # >= 1, divides each stage's batch; micro-batches per step
   checkpoint_every: int = 50  # >= 1 steps; stage boundaries are always saved
   keep: int = 3  # >= 1; checkpoints kept
@@ -241,6 +245,9 @@ class TrainConfig:
     _above(f"{key}.eps", self.eps, 0)
     _at_least(f"{key}.weight_decay", self.weight_decay, 0)
     _above(f"{key}.clip", self.clip, 0)
+    if self.optimizer not in ("adamw", "muon"):
+      raise ConfigError(f"{key}.optimizer: expected adamw or muon, got {self.optimizer!r}")
+    _in_range(f"{key}.muon_momentum", self.muon_momentum, 0, 1, high_open=True)
     if self.schedule not in ("cosine", "wsd"):
       raise ConfigError(f"{key}.schedule: expected cosine or wsd, got {self.schedule!r}")
     _above(f"{key}.spike_sigmas", self.spike_sigmas, 0)

@@ -75,6 +75,13 @@ def param_axes(config, vocab_size):
           for path, leaf in leaves]
 
 
+def param_names(model, seq_len=8):
+  """The params-shaped tree of each parameter's logical axis names (tuples)."""
+  boxed = abstract_variables(model, seq_len)["params"]
+  return jax.tree_util.tree_map(lambda leaf: tuple(leaf.names), boxed,
+                                is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
 def init_params_abstract(model, seq_len=8):
   """Unboxed parameters, for tracing under jax.eval_shape (no arrays are made)."""
   return nn.meta.unbox(model.init(jax.random.key(0), *_dummy(model, seq_len))["params"])

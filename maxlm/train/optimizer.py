@@ -4,11 +4,14 @@ warmup -> cosine to lr * min_lr_ratio, or warmup -> stable -> linear decay (WSD)
 is a share of the whole run, warmup included: its last round(total_steps * decay_fraction)
 steps (at least 1, and none before the step at which warmup reaches lr) fall linearly and the
 last step's lr is lr * min_lr_ratio. Weight decay skips norm scales and, unless configured,
-the embedding table and head. Gradients are clipped to global norm `clip`.
+the embedding table and head. Gradients are clipped to global norm `clip`. With
+`optimizer: muon`, Muon updates the layers' matrices instead (maxlm/train/muon.py).
 """
 
 import jax
 import optax
+
+from maxlm.train import muon
 
 
 def lr_schedule(train, total_steps):
@@ -51,11 +54,15 @@ def decay_mask(params, decay_embeddings):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make(train, total_steps):
-  """(optax transformation, lr schedule)."""
+def make(train, total_steps, names=None):
+  """(optax transformation, lr schedule). `names`: the params-shaped tree of logical axis names
+  (build.param_names), which `train.optimizer: muon` splits the parameters by."""
   schedule = lr_schedule(train, total_steps)
-  return optax.chain(
-      optax.clip_by_global_norm(train.clip),
-      optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=train.eps,
-                  weight_decay=train.weight_decay,
-                  mask=lambda params: decay_mask(params, train.decay_embeddings))), schedule
+  adamw = optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=train.eps,
+                      weight_decay=train.weight_decay,
+                      mask=lambda params: decay_mask(params, train.decay_embeddings))
+  if train.optimizer == "muon":
+    if names is None:
+      raise ValueError("train.optimizer muon needs the parameters' logical names")
+    adamw = muon.transform(train, schedule, adamw, names)
+  return optax.chain(optax.clip_by_global_norm(train.clip), adamw), schedule

@@ -113,7 +113,8 @@ def unjitted(config, s, vocab, devices=None, platform=None):
   stage = config.stages[s]
   mesh = mesh_lib.make_mesh(stage.mesh, *([devices] if devices is not None else []))
   model = build.model_for(config, s, mesh, vocab, platform)
-  opt, lr = optimizer.make(config.train, schedule.Schedule(config).total)
+  opt, lr = optimizer.make(config.train, schedule.Schedule(config).total,
+                           build.param_names(model, stage.seq_len))
   step = train_step(config, s, model, opt, lr)
   return mesh, model, opt, step, state_shardings(model, opt, mesh, config.rules, stage.seq_len)
 
@@ -139,8 +140,11 @@ def state_shardings(model, opt, mesh, rules, seq_len):
   scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   # AdamW's moments are sharded as their parameters, its counters replicated. (XLA left to
   # choose replicates the moments: zeros_like does not depend on the sharded input.)
-  opt_sh = optax.tree_map_params(opt, lambda _, sh: sh, jax.eval_shape(opt.init, abstract_params),
-                                 params, transform_non_params=lambda _: scalar)
+  # (Muon's partition masks each half's state where the other half's parameters are)
+  masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+  opt_sh = optax.tree_map_params(opt, lambda x, sh: x if masked(x) else sh,
+                                 jax.eval_shape(opt.init, abstract_params), params,
+                                 transform_non_params=lambda _: scalar, is_leaf=masked)
   out = {"params": params, "opt_state": opt_sh, "step": scalar, "rng": scalar}
   if moe_state.enabled(model.cfg):  # MoE's balancing bias (maxlm/model/moe_state.py)
     out[moe_state.BIAS] = moe_state.shardings(
