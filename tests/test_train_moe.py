@@ -205,10 +205,13 @@ def test_a_resume_that_would_drop_or_add_the_bias_is_one_line(tmp_path, data_dir
 def test_moe_run_resumes_bitwise_and_maxlm_eval_routes_with_the_runs_bias(tmp_path, data_dir):
   """A biased MoE run killed and resumed is bitwise the uninterrupted one; and `maxlm eval`
   scores its checkpoint as training's own eval did: with the balancing bias (without it the
-  routing, and so the loss, would differ)."""
+  routing, and so the loss, would differ). The run trains with Muon and DeepSeek-V4's routing,
+  so Muon's state is in the proof."""
   path = small_config(tmp_path, data_dir, eval_every=11)  # once, after the last of 11 steps
   lines = []
-  assert verify.verify(str(path), [*MOE, "model.moe.bias_rate=0.05"], kills=1,
+  v4 = ["train.optimizer=muon", "model.moe.score=sqrt_softplus",
+        "model.moe.route_scale=1.5", "model.moe.swiglu_limit=10"]
+  assert verify.verify(str(path), [*MOE, "model.moe.bias_rate=0.05", *v4], kills=1,
                        workdir=str(tmp_path / "verify"), log=lines.append)
   assert not any("DIFFERENT" in line for line in lines), lines
   run_dir = tmp_path / "verify" / "uninterrupted"
