@@ -33,6 +33,9 @@ class MoeConfig:
   router_z_loss: float = 0.0  # >= 0; weight of the router's log-partition (z) loss
   capacity_factor: float = 0.0  # >= 0; 0: dropless; > 0: tokens per expert capped, overflow dropped
   route_scale: float = 1.0  # > 0; the chosen experts' weights times this (DeepSeek-V4: 1.5)
+  # >= 0, at most the MoE layers; the first k MoE layers choose experts by the token's id, a
+  # fixed hash (DeepSeek-V4: 3), and weight them by the router's scores
+  hash_layers: int = 0
   # >= 0; the experts' (and shared experts') SwiGLU gate is clamped to at most this and its up
   # projection to [-limit, limit] (DeepSeek-V4: 10); 0: no clamp
   swiglu_limit: float = 0.0
@@ -49,7 +52,8 @@ class MoeConfig:
     at_least(f"{key}.first_dense", self.first_dense, 0)
     one_of(f"{key}.score", self.score, MOE_SCORES)
     one_of(f"{key}.balance", self.balance, MOE_BALANCE)
-    for name in ("bias_rate", "aux_loss", "router_z_loss", "capacity_factor", "swiglu_limit"):
+    for name in ("bias_rate", "aux_loss", "router_z_loss", "capacity_factor", "swiglu_limit",
+                 "hash_layers"):
       at_least(f"{key}.{name}", getattr(self, name), 0)
     above(f"{key}.route_scale", self.route_scale, 0)
     if not self.enabled:
@@ -62,6 +66,10 @@ class MoeConfig:
       raise ConfigError(f"{key}.every: {self.every} leaves no MoE layer after first_dense="
                         f"{self.first_dense} in model.n_layers={n_layers}; expected <= "
                         f"{n_layers - self.first_dense}")
+    moe_layers = (n_layers - self.first_dense) // self.every
+    if self.hash_layers > moe_layers:
+      raise ConfigError(f"{key}.hash_layers: {self.hash_layers} is more than the "
+                        f"{moe_layers} MoE layers; expected <= {moe_layers}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -266,13 +266,19 @@ def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
      "model.attention.global_every: 1 makes every layer global"),
     (["model.moe.experts=6", "stages.0.mesh.expert=4"],
      "stages.0.mesh.expert=4: model.moe.experts=6 do not split over it"),
+    (["model.moe.experts=4", "model.moe.hash_layers=3"],
+     "model.moe.hash_layers: 3 is more than the 2 MoE layers"),
+    (["model.mhc.streams=17"], "model.mhc.streams: expected an integer in [0, 16]"),
+    (["train.optimizer=sgd"], "train.optimizer: expected adamw or muon"),
 ])
 def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, message):
   with pytest.raises(config.ConfigError) as e:
     config.load("configs/demo.yaml", overrides)
   assert message in str(e.value) and "\n" not in str(e.value)
   config.load("configs/demo.yaml", [o for o in overrides  # without the culprit: fine
-                                    if not any(k in o for k in ("objective", "sparse", "every", "mesh"))])
+                                    if not any(k in o for k in ("objective", "sparse", "every", "mesh",
+                                                                "hash_layers", "streams",
+                                                                "optimizer"))])
 
 
 def test_a_retired_key_still_loads_with_a_warning_and_is_dropped(tmp_path):

@@ -30,6 +30,14 @@ def test_specs_follow_the_documented_rules():
                  (True, 16)]
 
 
+def test_hash_routed_layers_are_the_first_moe_layers_and_a_group_of_their_own():
+  cfg = _model_cfg("model.n_layers=7", "model.moe.experts=4", "model.moe.first_dense=1",
+                   "model.moe.hash_layers=2")
+  assert [s.hashed for s in layers.specs(cfg)] == [False, True, True, False, False, False, False]
+  assert [(g.first, g.repeats, len(g.unit)) for g in layers.groups(cfg)] == [
+      (0, 1, 1), (1, 2, 1), (3, 4, 1)]
+
+
 def test_a_uniform_model_is_one_stack_named_layers_as_before():
   cfg = _model_cfg("model.n_layers=3")
   assert layers.groups(cfg) == (layers.Group(0, (layers.LayerSpec(),), 3),)
@@ -39,13 +47,17 @@ def test_a_uniform_model_is_one_stack_named_layers_as_before():
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 13), experts=st.sampled_from([0, 4]), first=st.integers(0, 3),
        every=st.integers(1, 3), window=st.sampled_from([0, 8]),
-       g=st.sampled_from([0, 2, 3, 4]))  # 1 with a window is refused (test_config)
-def test_groups_cover_every_layer_once_with_its_spec(n, experts, first, every, window, g):
+       g=st.sampled_from([0, 2, 3, 4]),  # 1 with a window is refused (test_config)
+       hashed=st.integers(0, 3))
+def test_groups_cover_every_layer_once_with_its_spec(n, experts, first, every, window, g,
+                                                     hashed):
   first = min(first, n - 1)
   every = min(every, n - first)  # a larger one leaves no MoE layer: refused (test_config)
+  hashed = min(hashed, (n - first) // every) if experts else 0
   cfg = _model_cfg(f"model.n_layers={n}", f"model.moe.experts={experts}",
                    f"model.moe.first_dense={first}", f"model.moe.every={every}",
-                   f"model.attention.window={window}", f"model.attention.global_every={g}")
+                   f"model.attention.window={window}", f"model.attention.global_every={g}",
+                   f"model.moe.hash_layers={hashed}")
   flat = []
   for group in layers.groups(cfg):
     assert group.first == len(flat)

@@ -342,3 +342,48 @@ def test_deepseek_v4_routing_equals_transformers():
     ref.shared_experts.down_proj.weight.copy_(t(params["shared"]["down"]["kernel"]).T)
     expected = ref(t(x_BxLxD)).numpy()
   np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hash_table_gives_each_token_k_distinct_experts_the_same_everywhere():
+  table = moe.hash_table(1000, 6, 4)
+  assert table.shape == (1000, 4) and table.min() >= 0 and table.max() < 6
+  assert all(len(set(row)) == 4 for row in table.tolist())
+  assert np.array_equal(table, moe.hash_table(1000, 6, 4))
+  # every start and every stride coprime to 6 (1 and 5) occurs, and the load is even
+  assert len({tuple(row) for row in table.tolist()}) == 12
+  load = np.bincount(table.reshape(-1), minlength=6)
+  assert load.min() > 0.85 * load.mean()
+
+
+def test_a_hash_routed_layer_equals_transformers_hash_moe_block():
+  """The experts come from the token id (our table loaded as transformers' tid2eid), the
+  weights from the sqrt_softplus scores; the selection bias plays no part."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+  cfg = dataclasses.replace(model_config(score="sqrt_softplus", route_scale=1.5, hash_layers=1),
+                            vocab_size=64)
+  x_BxLxD = inputs(7).reshape(B, L, D)
+  seg = jnp.ones((B, L), jnp.int32)
+  tokens = jax.random.randint(jax.random.key(8), (B, L), 0, 64)
+  layer = moe.MoeMlp(cfg, hashed=True)
+  params = nn.meta.unbox(jax.jit(layer.init)(jax.random.key(3), x_BxLxD, seg, tokens)["params"])
+  bias = {"bias": jax.random.normal(jax.random.key(9), (E,))}  # would change a top-k choice
+  y, _ = jax.jit(lambda v, x, s, t: layer.apply(v, x, s, t, mutable=["moe"]))(
+      {"params": params, "moe_bias": bias}, x_BxLxD, seg, tokens)
+  ref = hf.DeepseekV4SparseMoeBlock(transformers.DeepseekV4Config(
+      hidden_size=D, moe_intermediate_size=F, n_routed_experts=E, num_experts_per_tok=2,
+      n_shared_experts=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+      swiglu_limit=1e9, num_hidden_layers=1, mlp_layer_types=["hash_moe"], vocab_size=64,
+      num_attention_heads=2, head_dim=16), 0)
+  t = lambda a: torch.from_numpy(np.asarray(a))  # noqa: E731
+  gate_up, down = params["experts"]["gate_up"], params["experts"]["down"]
+  with torch.no_grad():
+    ref.gate.weight.copy_(t(params["router"]["kernel"]).T)
+    ref.gate.tid2eid.copy_(t(moe.hash_table(64, E, 2)).long())
+    ref.experts.gate_up_proj.copy_(t(gate_up).permute(0, 2, 3, 1).reshape(E, 2 * F, D))
+    ref.experts.down_proj.copy_(t(down).transpose(1, 2))
+    for p in ref.shared_experts.parameters():
+      p.zero_()  # this layer has no shared experts
+    expected = ref(t(x_BxLxD), input_ids=t(tokens).long()).numpy()
+  np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)

@@ -62,7 +62,8 @@ def family(cfg):
     return MINISTRAL if window else LLAMA
   v4 = [key for key, used in (("score", moe.score == "sqrt_softplus"),
                               ("route_scale", moe.route_scale != 1.0),
-                              ("swiglu_limit", moe.swiglu_limit != 0.0)) if used]
+                              ("swiglu_limit", moe.swiglu_limit != 0.0),
+                              ("hash_layers", moe.hash_layers != 0)) if used]
   if v4:
     raise hf_config.CannotExpress(
         f"model.moe.{v4[0]}={getattr(moe, v4[0])}: DeepSeek-V4's routing is not in the MoE "

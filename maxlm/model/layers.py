@@ -8,7 +8,8 @@ One place decides a layer's kind, for the model, the FLOP count and interop alik
    model.attention.window W > 0, layer i is global iff global_every > 0 and
    (i + 1) % global_every == 0, else local with window W (Gemma's 5:1 is global_every 6).
 2. `groups(cfg)` cuts the specs into scanned groups so compile time stays flat in depth: the
-   dense prefix and the rest are each the shortest repeating unit of specs, scanned `repeats`
+   dense prefix, the hash-routed layers (up to the last of them) and the rest are each the
+   shortest repeating unit of specs, scanned `repeats`
    times, plus a tail (the partial unit left over) scanned once. A model whose layers are all
    alike is one group of one block, stored as today: params["layers"], stacked.
 3. Parameters then live at params["layers"] (one homogeneous group), params["group_G"]
@@ -28,6 +29,7 @@ import numpy as np
 class LayerSpec:
   moe: bool = False
   window: int = 0  # 0: global attention
+  hashed: bool = False  # an MoE layer routing by token id (model.moe.hash_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +44,13 @@ class Group:
 
 def specs(cfg):
   moe, att = cfg.moe, cfg.attention
-  out = []
+  out, moe_seen = [], 0
   for i in range(cfg.n_layers):
     is_moe = moe.experts > 0 and i >= moe.first_dense and (i - moe.first_dense + 1) % moe.every == 0
     is_global = att.window == 0 or att.global_every > 0 and (i + 1) % att.global_every == 0
-    out.append(LayerSpec(moe=is_moe, window=0 if is_global else att.window))
+    hashed = is_moe and moe_seen < moe.hash_layers
+    moe_seen += is_moe
+    out.append(LayerSpec(moe=is_moe, window=0 if is_global else att.window, hashed=hashed))
   return tuple(out)
 
 
@@ -58,8 +62,10 @@ def _period(seq):
 def groups(cfg):
   all_specs = specs(cfg)
   first = cfg.moe.first_dense if cfg.moe.experts > 0 else 0
+  after_hash = max([i + 1 for i, spec in enumerate(all_specs) if spec.hashed], default=first)
   out = []
-  for start, seq in ((0, all_specs[:first]), (first, all_specs[first:])):
+  for start, seq in ((0, all_specs[:first]), (first, all_specs[first:after_hash]),
+                     (after_hash, all_specs[after_hash:])):
     if not seq:
       continue
     p = _period(seq)

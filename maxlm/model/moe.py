@@ -22,18 +22,34 @@ slots over their expert's capacity).
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxlm.model import expert_parallel, experts, impl as impl_lib
 from maxlm.model.mlp import Mlp
 
 
-def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
+def hash_table(vocab, n_experts, k):
+  """table_VxK: the experts a hash-routed layer sends token id v to, k distinct ones:
+  (a_v + j s_v) mod E for j < k, with a_v and s_v (s_v coprime to E) drawn once from a fixed
+  seed. A property of the model's shape, so every run and every process agrees."""
+  rng = np.random.default_rng(0)
+  units = np.array([s for s in range(1, n_experts + 1) if math.gcd(s, n_experts) == 1])
+  start_V = rng.integers(0, n_experts, vocab)
+  stride_V = units[rng.integers(0, len(units), vocab)]
+  return ((start_V[:, None] + np.arange(k)[None] * stride_V[:, None]) % n_experts).astype(
+      np.int32)
+
+
+def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None, chosen_TxK=None):
   """Top-k routing for T tokens; cfg is config_model.MoeConfig. mask_T (bool) marks real tokens.
+  chosen_TxK: the experts, fixed in advance (a hash-routed layer); then only the weights come
+  from the scores, and the bias is not used.
 
   Returns expert_TxK int32 (E for a masked token), weight_TxK float32 (0 for a masked token) and
   stats {load [E], aux_loss, z_loss, entropy} over the real tokens."""
@@ -46,8 +62,11 @@ def route(x_TxD, router_DxE, bias_E, cfg, mask_T=None):
     scores_TxE = jnp.sqrt(jax.nn.softplus(logits_TxE))
   else:
     scores_TxE = jax.nn.sigmoid(logits_TxE)
-  choice_TxE = scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
-  _, expert_TxK = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE), cfg.top_k)
+  if chosen_TxK is None:
+    choice_TxE = scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    _, expert_TxK = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE), cfg.top_k)
+  else:
+    expert_TxK = chosen_TxK
   weight_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
   if cfg.norm_topk:
     weight_TxK = weight_TxK / (jnp.sum(weight_TxK, axis=-1, keepdims=True) + 1e-20)
@@ -125,9 +144,10 @@ class MoeMlp(nn.Module):
   """Routed experts (+ shared experts) in place of a layer's Mlp; cfg is the ModelConfig."""
   cfg: Any
   settings: Any = None  # transformer.Settings; its mesh decides expert parallelism
+  hashed: bool = False  # experts chosen by token id (hash_table), not by the router
 
   @nn.compact
-  def __call__(self, x_BxLxD, segment_ids_BxL=None):
+  def __call__(self, x_BxLxD, segment_ids_BxL=None, tokens_BxL=None):
     c, m = self.cfg, self.cfg.moe
     dt = jnp.dtype(c.dtype)
     b, length, d = x_BxLxD.shape
@@ -141,7 +161,11 @@ class MoeMlp(nn.Module):
       bias_E = jnp.zeros((m.experts,), jnp.float32)
     x_TxD = x_BxLxD.astype(dt).reshape(b * length, d)
     mask_T = None if segment_ids_BxL is None else segment_ids_BxL.reshape(-1) > 0
-    expert_TxK, weight_TxK, stats = route(x_TxD, router_DxE, bias_E, m, mask_T)
+    chosen_TxK = None
+    if self.hashed:
+      table_VxK = jnp.asarray(hash_table(c.vocab_size, m.experts, m.top_k))
+      chosen_TxK = jnp.take(table_VxK, tokens_BxL.reshape(-1), axis=0)
+    expert_TxK, weight_TxK, stats = route(x_TxD, router_DxE, bias_E, m, mask_T, chosen_TxK)
     capacity = experts.capacity_for(m, b * length)
     y_TxD = _experts_fn(self.settings)(x_TxD, expert_TxK, weight_TxK, gate_up, down, capacity,
                                        limit=m.swiglu_limit)

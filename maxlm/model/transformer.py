@@ -148,8 +148,9 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x, positions_BxL, segment_ids_BxL):
-    """x: the residual x_BxLxD, or with hyper-connections its streams x_BxLxNxD."""
+  def __call__(self, x, positions_BxL, segment_ids_BxL, tokens_BxL):
+    """x: the residual x_BxLxD, or with hyper-connections its streams x_BxLxNxD; tokens_BxL
+    (the input ids) for a hash-routed MoE layer."""
     c = self.cfg
     dt = jnp.dtype(c.dtype)
 
@@ -159,7 +160,8 @@ class Block(nn.Module):
           segment_ids_BxL)
 
     def mlp(h_BxLxD):
-      return self._mlp(RMSNorm(c.norm_eps, dt, name="mlp_norm")(h_BxLxD), segment_ids_BxL)
+      return self._mlp(RMSNorm(c.norm_eps, dt, name="mlp_norm")(h_BxLxD), segment_ids_BxL,
+                       tokens_BxL)
 
     if c.mhc.streams:
       return self._streams(x, attend, mlp)
@@ -182,10 +184,11 @@ class Block(nn.Module):
     x_BxLxNxD = mhc.expand(x_BxLxNxD, mlp(inp_BxLxD), post_BxLxN, res_BxLxNxN)
     return constrain(x_BxLxNxD, names), peak
 
-  def _mlp(self, x_BxLxD, segment_ids_BxL):
+  def _mlp(self, x_BxLxD, segment_ids_BxL, tokens_BxL):
     if not self.spec.moe:
       return Mlp(self.cfg, name="mlp")(x_BxLxD)
-    return moe.MoeMlp(self.cfg, self.settings, name="moe")(x_BxLxD, segment_ids_BxL)
+    return moe.MoeMlp(self.cfg, self.settings, self.spec.hashed, name="moe")(
+        x_BxLxD, segment_ids_BxL, tokens_BxL)
 
 
 class Unit(nn.Module):
@@ -196,12 +199,13 @@ class Unit(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, tokens_BxL):
     block = _block_class(self.cfg, self.decode)
     peak = jnp.float32(-jnp.inf)
     for j, spec in enumerate(self.unit):
       x_BxLxD, p = block(self.cfg, self.settings, spec, self.decode,
-                         name=layers_lib.block_name(j))(x_BxLxD, positions_BxL, segment_ids_BxL)
+                         name=layers_lib.block_name(j))(x_BxLxD, positions_BxL, segment_ids_BxL,
+                                                        tokens_BxL)
       peak = jnp.maximum(peak, p)
     return x_BxLxD, peak
 
@@ -217,7 +221,7 @@ def _block_class(c, decode):
 
 def _scan(module, length):
   return nn.scan(module, variable_axes=_SCANNED, split_rngs={"params": True},
-                 in_axes=(nn.broadcast, nn.broadcast), length=length,
+                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=length,
                  metadata_params={nn.PARTITION_NAME: "layers"})
 
 
@@ -237,11 +241,11 @@ class Decoder(nn.Module):
                         ("batch", "length", "act_embed"))
     if c.mhc.streams:
       streams_BxLxNxD, peak = self._layers(mhc.widen(x_BxLxD, c.mhc.streams), positions_BxL,
-                                           segment_ids_BxL)
+                                           segment_ids_BxL, tokens_BxL)
       x_BxLxD = mhc.HyperHead(c.mhc.streams, c.mhc.eps, c.norm_eps, c.init_std,
                               name="mhc_head")(streams_BxLxNxD)
     else:
-      x_BxLxD, peak = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL)
+      x_BxLxD, peak = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL, tokens_BxL)
     h_BxLxD = RMSNorm(c.norm_eps, dt, name="final_norm")(x_BxLxD)
     if c.tied_embeddings:
       head_DxV = table_VxD.T
@@ -251,10 +255,10 @@ class Decoder(nn.Module):
                             (c.d_model, c.vocab_size), jnp.float32)
     return h_BxLxD, head_DxV, peak
 
-  def _layers(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+  def _layers(self, x_BxLxD, positions_BxL, segment_ids_BxL, tokens_BxL):
     """The layers as layers.py plans them: unrolled, one scanned stack, or scanned groups."""
     c, s, decode = self.cfg, self.settings, self.decode
-    args = (positions_BxL, segment_ids_BxL)
+    args = (positions_BxL, segment_ids_BxL, tokens_BxL)
     peak = jnp.float32(-jnp.inf)
     if not c.scan_layers:
       block = _block_class(c, decode)
