@@ -102,3 +102,54 @@ class MhcConfig:
     in_range(f"{key}.streams", self.streams, 0, 16)
     in_range(f"{key}.sinkhorn_iters", self.sinkhorn_iters, 1, 100)
     above(f"{key}.eps", self.eps, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MqaConfig:
+  """DeepSeek-V4's attention in place of GQA (maxlm/model/mqa.py, docs/model.md): one shared
+  key-value head of model.head_dim, model.n_heads query heads, a sliding window, compressed
+  entries per layer, a sink per head and a grouped output projection."""
+  q_lora: int = 0  # >= 0; the queries' low rank (V4-Flash: 1024); 0: GQA attention, not V4's
+  rope_dim: int = 64  # >= 2, even, <= model.head_dim; the rotated channels, the last of a head
+  out_groups: int = 8  # >= 1, divides model.n_heads; groups of the output projection
+  out_lora: int = 1024  # >= 1; each group's projection width
+  window: int = 128  # >= 1; the sliding window: the last `window` positions of the document
+  # each layer's compression rate: 0 (window only), csa_rate (CSA) or hca_rate (HCA); one value
+  # serves every layer, else one per layer
+  compress: tuple[int, ...] = (0,)
+  csa_rate: int = 4  # >= 2; CSA's m: entries from overlapping windows, chosen by the indexer
+  hca_rate: int = 128  # >= 2; HCA's m': entries from windows of this many tokens, all attended
+  index_heads: int = 64  # >= 1; the lightning indexer's query heads (CSA)
+  index_dim: int = 128  # >= rope_dim; the indexer's head width
+  index_top_k: int = 512  # >= 1; entries each query keeps in a CSA layer
+  compress_theta: float = 160000.0  # > 0; RoPE base of layers with entries (window-only: rope)
+
+  @property
+  def enabled(self):
+    return self.q_lora > 0
+
+  def rate(self, layer):
+    return self.compress[0] if len(self.compress) == 1 else self.compress[layer]
+
+  def check(self, key, n_layers, n_heads, head_dim):
+    at_least(f"{key}.q_lora", self.q_lora, 0)
+    if not self.enabled:
+      return
+    for name in ("out_groups", "out_lora", "window", "index_heads", "index_top_k"):
+      at_least(f"{key}.{name}", getattr(self, name), 1)
+    for name in ("csa_rate", "hca_rate"):
+      at_least(f"{key}.{name}", getattr(self, name), 2)
+    in_range(f"{key}.rope_dim", self.rope_dim, 2, min(head_dim, self.index_dim))
+    above(f"{key}.compress_theta", self.compress_theta, 0)
+    if self.rope_dim % 2:
+      raise ConfigError(f"{key}.rope_dim: must be even, got {self.rope_dim}")
+    if n_heads % self.out_groups:
+      raise ConfigError(f"{key}.out_groups: must divide model.n_heads={n_heads}, got "
+                        f"{self.out_groups}")
+    if len(self.compress) not in (1, n_layers):
+      raise ConfigError(f"{key}.compress: expected one rate or one per layer "
+                        f"({n_layers}), got {len(self.compress)}")
+    bad = [r for r in self.compress if r not in (0, self.csa_rate, self.hca_rate)]
+    if bad:
+      raise ConfigError(f"{key}.compress: {bad[0]} is none of 0, csa_rate={self.csa_rate}, "
+                        f"hca_rate={self.hca_rate}")

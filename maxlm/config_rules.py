@@ -12,6 +12,9 @@ def check_objectives_and_families(config):
     raise ConfigError(f"stages.{sparse[0]}.sparse.mode={config.stages[sparse[0]].sparse.mode} "
                       "with model.attention.window: sparse attention has no local layers; "
                       "use one or the other")
+  mqa_refusal = _mqa_refusal(config, sparse)
+  if mqa_refusal:
+    raise ConfigError(mqa_refusal)
   objectives = set(map(config.objective_for, range(len(config.stages))))
   moe = config.model.moe
   if objectives & {"dpo", "grpo"} and moe.experts and moe.balance == "bias":
@@ -24,6 +27,27 @@ def check_objectives_and_families(config):
   if "dpo" in objectives and not config.init.from_:
     raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
                       "and are the frozen reference model (docs/pairs.md)")
+
+
+def _mqa_refusal(config, sparse):
+  """What DeepSeek-V4's attention (model.mqa) cannot be combined with yet, or None."""
+  if not config.model.mqa.enabled:
+    return None
+  if sparse:
+    return (f"stages.{sparse[0]}.sparse.mode={config.stages[sparse[0]].sparse.mode} with "
+            "model.mqa: V4's attention has its own indexer (model.mqa.compress with csa_rate); "
+            "keep the stages dense")
+  if config.model.attention.window:
+    return ("model.attention.window with model.mqa: V4's attention has its own window "
+            "(model.mqa.window); set model.attention.window=0")
+  for i, stage in enumerate(config.stages):
+    if stage.mesh.context > 1:
+      return (f"stages.{i}.mesh.context={stage.mesh.context} with model.mqa: V4's attention "
+              "is not split over positions yet; use mesh.context=1")
+  if any(o in ("dpo", "grpo") for o in map(config.objective_for, range(len(config.stages)))):
+    return ("model.mqa with a dpo/grpo stage: sampling V4's attention (a key-value cache of "
+            "its entries) is not built yet")
+  return None
 
 
 def check_skip_steps(key, ranges):

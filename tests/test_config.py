@@ -67,6 +67,9 @@ def test_shipped_configs_load():
   cfg = config.load("configs/demo.yaml")
   assert len(cfg.stages) >= 3 and len(cfg.data.mix) >= 2
   assert [s.seq_len for s in cfg.stages] == sorted(s.seq_len for s in cfg.stages)
+  v4 = config.load("configs/v4_tiny.yaml")
+  assert v4.model.mqa.enabled and v4.model.mhc.streams == 4 and v4.train.optimizer == "muon"
+  assert sorted(set(v4.model.mqa.compress)) == [v4.model.mqa.csa_rate, v4.model.mqa.hca_rate]
 
 
 def test_production_schedule_loads_and_fits_1024_chips():
@@ -270,6 +273,12 @@ def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
      "model.moe.hash_layers: 3 is more than the 2 MoE layers"),
     (["model.mhc.streams=17"], "model.mhc.streams: expected an integer in [0, 16]"),
     (["train.optimizer=sgd"], "train.optimizer: expected adamw or muon"),
+    (["model.mqa.q_lora=32", "model.mqa.out_groups=2", "stages.0.sparse.mode=indexer_warmup"],
+     "with model.mqa: V4's attention has its own indexer"),
+    (["model.mqa.q_lora=32", "model.mqa.out_groups=2", "model.mqa.compress=[4, 3]"],
+     "model.mqa.compress: 3 is none of 0, csa_rate=4, hca_rate=128"),
+    (["model.mqa.q_lora=32", "model.mqa.out_groups=3"],
+     "model.mqa.out_groups: must divide model.n_heads"),
 ])
 def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, message):
   with pytest.raises(config.ConfigError) as e:
@@ -278,7 +287,7 @@ def test_model_families_refuse_what_they_cannot_do_in_one_line(overrides, messag
   config.load("configs/demo.yaml", [o for o in overrides  # without the culprit: fine
                                     if not any(k in o for k in ("objective", "sparse", "every", "mesh",
                                                                 "hash_layers", "streams",
-                                                                "optimizer"))])
+                                                                "optimizer", "mqa"))])
 
 
 def test_a_retired_key_still_loads_with_a_warning_and_is_dropped(tmp_path):

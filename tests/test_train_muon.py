@@ -23,6 +23,8 @@ D, F, H, K = 8, 12, 2, 4
     (("layers", "expert", "embed", "gate_up", "mlp"), ((2,), (3, 4))),
     (("layers", "embed", None), ((1,), (2,))),
     (("layers", "mhc_maps", "mhc_in"), ((2,), (1,))),
+    (("layers", "mqa_group", None, None), ((2,), (3,))),
+    (("layers", "mqa_slot", None), None),
 ])
 def test_the_split_and_the_matrix_axes_follow_the_logical_names(names, expected):
   dims = muon.dimension_numbers(names)

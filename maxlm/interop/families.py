@@ -54,6 +54,10 @@ def family(cfg):
   """The family a ModelConfig exports to; CannotExpress (one line, naming the key) when none
   holds it."""
   moe, window = cfg.moe, cfg.attention.window
+  if cfg.mqa.enabled:
+    raise hf_config.CannotExpress(
+        f"model.mqa.q_lora={cfg.mqa.q_lora}: exporting DeepSeek-V4's attention (to "
+        "DeepseekV4ForCausalLM) is not built yet")
   if cfg.mhc.streams:
     raise hf_config.CannotExpress(
         f"model.mhc.streams={cfg.mhc.streams}: hyper-connections exist in transformers only "

@@ -30,6 +30,7 @@ class LayerSpec:
   moe: bool = False
   window: int = 0  # 0: global attention
   hashed: bool = False  # an MoE layer routing by token id (model.moe.hash_layers)
+  compress: int = 0  # V4 attention's compression rate (model.mqa.compress): 0 window only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,9 @@ def specs(cfg):
     is_global = att.window == 0 or att.global_every > 0 and (i + 1) % att.global_every == 0
     hashed = is_moe and moe_seen < moe.hash_layers
     moe_seen += is_moe
-    out.append(LayerSpec(moe=is_moe, window=0 if is_global else att.window, hashed=hashed))
+    compress = cfg.mqa.rate(i) if cfg.mqa.enabled else 0
+    out.append(LayerSpec(moe=is_moe, window=0 if is_global else att.window, hashed=hashed,
+                         compress=compress))
   return tuple(out)
 
 

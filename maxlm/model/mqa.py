@@ -50,6 +50,17 @@ class MqaSpec:
   init_std: float = 0.02
 
 
+def spec_for(cfg, rate, theta):
+  """The MqaSpec of a layer of ModelConfig `cfg` with compression rate `rate`; `theta`: the
+  stage's RoPE base, which window-only layers use (a stage's RoPE scaling is not applied)."""
+  q = cfg.mqa
+  return MqaSpec(heads=cfg.n_heads, head_dim=cfg.head_dim, rope_dim=q.rope_dim, q_lora=q.q_lora,
+                 out_groups=q.out_groups, out_lora=q.out_lora, window=q.window, rate=rate,
+                 overlap=rate == q.csa_rate, index_heads=q.index_heads, index_dim=q.index_dim,
+                 index_top_k=q.index_top_k, theta=theta, compress_theta=q.compress_theta,
+                 norm_eps=cfg.norm_eps, init_std=cfg.init_std)
+
+
 def _rms(x, eps, scale=None):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -68,7 +79,7 @@ class Compressor(nn.Module):
     kv = self._dense(c, "kv")(x_BxLxD)
     gate = self._dense(c, "gate")(x_BxLxD)
     bias = self.param("slot_bias", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                                (None, None)),
+                                                                ("mqa_slot", None)),
                       (s.rate, c), jnp.float32)
     scale = self.param("norm", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (self.width,), jnp.float32)
@@ -111,7 +122,8 @@ class Mqa(nn.Module):
     out = rope_lib.apply_tail(out, positions_BxL, theta, s.rope_dim, inverse=True)
     b, length = out.shape[:2]
     grouped = out.reshape(b, length, s.out_groups, s.heads * s.head_dim // s.out_groups)
-    w_a = self.param("o_a", nn.with_logical_partitioning(init(s.init_std), (None, None, None)),
+    w_a = self.param("o_a", nn.with_logical_partitioning(init(s.init_std),
+                                                         ("mqa_group", None, None)),
                      (s.out_groups, grouped.shape[-1], s.out_lora), jnp.float32)
     low = jnp.einsum("blgi,gio->blgo", grouped, w_a.astype(dt)).reshape(b, length, -1)
     return self._dense(x_BxLxD.shape[-1], (None, "embed"), "o_b")(low)

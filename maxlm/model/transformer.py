@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm import MaxlmError
-from maxlm.model import layers as layers_lib, mhc, moe, rope as rope_lib
+from maxlm.model import layers as layers_lib, mhc, moe, mqa, rope as rope_lib
 from maxlm.model.dense import constrain, dense, init
 from maxlm.model.mlp import Mlp
 from maxlm.model.attention import attention, decode as decode_attention
@@ -155,9 +155,11 @@ class Block(nn.Module):
     dt = jnp.dtype(c.dtype)
 
     def attend(h_BxLxD):
+      normed = RMSNorm(c.norm_eps, dt, name="attention_norm")(h_BxLxD)
+      if c.mqa.enabled:
+        return self._v4_attention(normed, positions_BxL, segment_ids_BxL)
       return Attention(c, self.settings, self.decode, self.spec.window, name="attention")(
-          RMSNorm(c.norm_eps, dt, name="attention_norm")(h_BxLxD), positions_BxL,
-          segment_ids_BxL)
+          normed, positions_BxL, segment_ids_BxL)
 
     def mlp(h_BxLxD):
       return self._mlp(RMSNorm(c.norm_eps, dt, name="mlp_norm")(h_BxLxD), segment_ids_BxL,
@@ -183,6 +185,17 @@ class Block(nn.Module):
     inp_BxLxD, post_BxLxN, res_BxLxNxN = mhc.HyperConnection(*hc, name="mlp_hc")(x_BxLxNxD)
     x_BxLxNxD = mhc.expand(x_BxLxNxD, mlp(inp_BxLxD), post_BxLxN, res_BxLxNxN)
     return constrain(x_BxLxNxD, names), peak
+
+  def _v4_attention(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    """DeepSeek-V4's attention (maxlm/model/mqa.py); it reports no attention logit."""
+    c = self.cfg
+    if self.decode:
+      raise MaxlmError("sampling a model with model.mqa (DeepSeek-V4's attention) is not built "
+                       "yet: it needs a key-value cache of the compressed entries")
+    spec = mqa.spec_for(c, self.spec.compress, self.settings.rope.theta)
+    out = mqa.Mqa(spec, jnp.dtype(c.dtype), name="attention")(x_BxLxD, positions_BxL,
+                                                              segment_ids_BxL)
+    return out, jnp.float32(jnp.nan)
 
   def _mlp(self, x_BxLxD, segment_ids_BxL, tokens_BxL):
     if not self.spec.moe:

@@ -65,6 +65,7 @@ class Fit(typing.NamedTuple):
 # policy, and live in the backward pass's working set, fitted to XLA:CPU's accounting of
 # configs/demo.yaml with 4 streams (tests/test_train_memory.py)
 MHC_SAVED = {"none": 13.0, "dots": 7.0, "dots_no_batch": 7.0}
+MQA_SCORE_COPIES = 3  # fitted to XLA:CPU on configs/v4_tiny.yaml (docs/model.md)
 MHC_WORKING = {"none": 1.2, "full": 9.0, "dots": 1.2, "dots_no_batch": 1.2}
 
 # what each compiler keeps, fitted to its accounting over the same cases: XLA:CPU by
@@ -105,6 +106,8 @@ def estimate(config, s, n_devices, vocab, platform=None):
   impl = impl_lib.attention_impl(stage.attention, platform, stage.seq_len)
   scores = rows * h * length * stage.seq_len * 4 if impl == "reference" and shape[
       "context"] == 1 else 0
+  if m.mqa.enabled:
+    scores = _mqa_scores(m, rows, h, length, stage.seq_len)
   kv = zigzag = 0
   if shape["context"] > 1:  # K and V all-gathered; q, k, v and the output (and their
     kv = 2 * rows * stage.seq_len * k * hd * cdt  # gradients) permuted at full length
@@ -124,6 +127,14 @@ def estimate(config, s, n_devices, vocab, platform=None):
   peak = max(parts["working"] + parts["attention"], parts["logits"])
   state = parts["params"] + parts["optimizer"] + parts["gradients"]
   return {**parts, "state": state, "total": state + parts["activations"] + peak}
+
+
+def _mqa_scores(m, rows, h, length, seq_len):
+  """DeepSeek-V4's attention (model.mqa) is a dense reference for now: float32 scores over the
+  window's tokens and the entries, [rows, h, L, L + L / m] for the smallest rate m, in
+  MQA_SCORE_COPIES copies."""
+  rates = [r for r in m.mqa.compress if r] or [seq_len + 1]
+  return MQA_SCORE_COPIES * rows * h * length * (seq_len + seq_len // min(rates)) * 4
 
 
 def _streams_saved(m, d):

@@ -10,8 +10,9 @@ The update itself is optax.contrib's (`scale_by_muon`, `scale_by_shape`): its it
 coefficient triple per step, so V4's schedule is a table here, not code. What is ours is the
 split, read from the logical axis names every parameter carries (maxlm/model/):
 - AdamW (the same as `train.optimizer: adamw`, decay mask included): the embedding and head
-  (axis `vocab`), norm scales, and every parameter with fewer than two axes beyond the stacked
-  `layers` and `expert` axes (the mHC biases and gates);
+  (axis `vocab`), norm scales, V4's compressor slot biases, and every parameter with fewer
+  than two axes beyond the stacked `layers`, `expert` and output-group axes (the mHC biases and
+  gates, the attention sinks);
 - Muon: the rest, each a matrix from its reduction axes to its output axes, per layer and per
   expert. The reduction axes are the first axis (`embed` into a projection) or, for a
   projection back to `embed` (attention output, MLP down), every axis before `embed`; an mHC
@@ -24,7 +25,8 @@ import optax
 from optax.contrib import _muon as optax_muon
 
 V4_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
-BATCH_AXES = ("layers", "expert")
+BATCH_AXES = ("layers", "expert", "mqa_group")  # each its own matrix
+NOT_MATRICES = ("vocab", "norm", "mqa_slot")  # embeddings and head, scales, a slot bias
 RMS_LIKE_ADAMW = 0.2
 
 
@@ -32,7 +34,7 @@ def dimension_numbers(names):
   """optax's MuonDimensionNumbers for a parameter with these logical axis names, or None when
   AdamW updates it."""
   axes = [i for i, n in enumerate(names) if n not in BATCH_AXES]
-  if len(axes) < 2 or "vocab" in names or "norm" in names:
+  if len(axes) < 2 or any(n in NOT_MATRICES for n in names):
     return None
   if names[axes[-1]] == "mhc_in":
     reduction, output = axes[-1:], axes[:-1]
