@@ -1,12 +1,12 @@
 """Hyper-connections (maxlm/model/mhc.py) against transformers' DeepSeek-V4 modules, and the
 properties the design rests on: a doubly stochastic residual map, and no reach across tokens."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
+from randparams import random_params
 
 from maxlm import config
 from maxlm.interop import families, hf_config
@@ -24,16 +24,6 @@ def _connection(iters=20):
   return mhc.HyperConnection(N, iters, EPS, NORM_EPS, 0.3)
 
 
-def _params(module, x, seed=1):
-  """Random values for every parameter, base and scale included (init leaves them 0 and 1,
-  which would hide a swapped bias or scale)."""
-  params = nn.meta.unbox(module.init(jax.random.PRNGKey(0), x)["params"])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  return jax.tree.unflatten(tree, [jax.random.normal(k, p.shape) * 0.5
-                                   for k, p in zip(keys, leaves)])
-
-
 def _hf_config():
   transformers = pytest.importorskip("transformers")
   return transformers.DeepseekV4Config(
@@ -46,7 +36,7 @@ def test_hyper_connection_equals_transformers():
   from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
   x = _streams(0)
   module = _connection()
-  params = _params(module, x)
+  params = random_params(module, (x,), scale=0.5)
   inp, post, res = module.apply({"params": params}, x)
   ref = hf.DeepseekV4HyperConnection(_hf_config())
   with torch.no_grad():
@@ -69,7 +59,7 @@ def test_hyper_head_equals_transformers():
   from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
   x = _streams(4)
   module = mhc.HyperHead(N, EPS, NORM_EPS, 0.3)
-  params = _params(module, x, seed=5)
+  params = random_params(module, (x,), seed=5, scale=0.5)
   ref = hf.DeepseekV4HyperHead(_hf_config())
   with torch.no_grad():
     for ours, theirs in (("fn", "hc_fn"), ("base", "hc_base"), ("scale", "hc_scale")):
@@ -94,7 +84,7 @@ def test_the_residual_map_is_doubly_stochastic(seed, spread):
 def test_no_token_reads_another():
   module = _connection()
   x = _streams(6)
-  params = _params(module, x)
+  params = random_params(module, (x,), scale=0.5)
   changed = x.at[:, 2].set(x[:, 2] * 3.0 + 1.0)
   before = module.apply({"params": params}, x)
   after = module.apply({"params": params}, changed)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from randparams import random_params
 
 from maxlm import config
 from maxlm.config_model import MoeConfig
@@ -317,11 +318,7 @@ def test_deepseek_v4_routing_equals_transformers():
                      shared_experts=1)
   x_BxLxD = inputs(5).reshape(B, L, D)
   seg = jnp.ones((B, L), jnp.int32)
-  params = nn.meta.unbox(jax.jit(moe.MoeMlp(cfg).init)(jax.random.key(3), x_BxLxD, seg)["params"])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(4), len(leaves))
-  params = jax.tree.unflatten(tree, [jax.random.normal(k, p.shape) * 0.3
-                                     for k, p in zip(keys, leaves)])
+  params = random_params(moe.MoeMlp(cfg), (x_BxLxD, seg), seed=4)
   bias = jax.random.normal(jax.random.key(6), (E,)) * 0.1
   y, _ = apply_layer(cfg, params, x_BxLxD, seg, {"bias": bias})
   ref = hf.DeepseekV4SparseMoeBlock(transformers.DeepseekV4Config(

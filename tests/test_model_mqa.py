@@ -2,11 +2,11 @@
 DeepseekV4Attention on one document for each layer kind, and on a packed row equal to each
 document run alone."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from randparams import random_params
 
 from maxlm.model import mqa
 
@@ -28,14 +28,6 @@ def _row(lengths, length):
     seg[at:at + n], pos[at:at + n] = i + 1, np.arange(n)
     at += n
   return jnp.asarray(pos[None]), jnp.asarray(seg[None])
-
-
-def _random_params(module, x, pos, seg):
-  params = nn.meta.unbox(module.init(jax.random.PRNGKey(0), x, pos, seg)["params"])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-  return jax.tree.unflatten(tree, [jax.random.normal(k, p.shape) * 0.3
-                                   for k, p in zip(keys, leaves)])
 
 
 def _load_into(ref, params, kind, torch):
@@ -79,7 +71,7 @@ def test_one_document_equals_transformers(kind):
   x = jax.random.normal(jax.random.PRNGKey(2), (1, length, D))
   pos, seg = _row([length], length)
   module = mqa.Mqa(_spec(kind))
-  params = _random_params(module, x, pos, seg)
+  params = random_params(module, (x, pos, seg))
   if "index_weights" in params:
     # ReLU scores tie at 0 where every head's dot product is negative, and the two top-k
     # break ties differently: positive head weights and 8 heads make a tie unlikely
@@ -105,7 +97,7 @@ def test_a_packed_row_equals_each_document_alone(kind):
   x = jax.random.normal(jax.random.PRNGKey(3), (1, length, D))
   pos, seg = _row(lengths, length)
   module = mqa.Mqa(_spec(kind))
-  params = _random_params(module, x, pos, seg)
+  params = random_params(module, (x, pos, seg))
   packed = np.asarray(module.apply({"params": params}, x, pos, seg))
   at = 0
   for n in lengths:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm.model import rope as rope_lib
+from maxlm.model.dense import rms
 
 
 def closing(positions_BxL, segment_ids_BxL, span):
@@ -95,8 +96,7 @@ def pool(kv_BxLxC, gate_BxLxC, bias_MxC, positions_BxL, segment_ids_BxL, rate, o
 
 def normalize_and_rotate(entries_BxExD, scale_D, eps, positions_BxE, theta, rope_dim):
   """The entries' RMSNorm (weighted) and RoPE on their last `rope_dim` channels."""
-  x = entries_BxExD * jax.lax.rsqrt(jnp.mean(entries_BxExD ** 2, -1, keepdims=True) + eps)
-  return rope_lib.apply_tail(x * scale_D, positions_BxE, theta, rope_dim)
+  return rope_lib.apply_tail(rms(entries_BxExD, eps, scale_D), positions_BxE, theta, rope_dim)
 
 
 def entry_positions(positions_BxL, end_BxE, rate):

@@ -1,7 +1,9 @@
 """The named pieces the layers are built from: a bias-free dense layer whose kernel carries
-logical axis names, its normal initializer, and the logical constraint on an activation."""
+logical axis names, its normal initializer, the logical constraint on an activation, and RMS
+normalisation in float32."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 
@@ -11,6 +13,13 @@ def init(std):
 
 def constrain(x, names):
   return nn.with_logical_constraint(x, names)
+
+
+def rms(x, eps, scale=None):
+  """x / RMS(x) over the last axis, in float32, times `scale` if given."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return y if scale is None else y * scale
 
 
 def dense(features, axis, names, std, dtype, name):

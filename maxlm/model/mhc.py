@@ -23,12 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from maxlm.model.dense import init
-
-
-def rms_unweighted(x, eps):
-  x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+from maxlm.model.dense import init, rms
 
 
 def sinkhorn(res_logits_NxN, iters, eps):
@@ -54,6 +49,23 @@ def expand(streams_BxLxNxD, out_BxLxD, post_BxLxN, res_BxLxNxN):
   return post_BxLxN.astype(dt)[..., None] * out_BxLxD[..., None, :] + mixed
 
 
+def _read_maps(module, streams_BxLxNxD, rows, row_names, n_scales):
+  """The linear map a connection or the head reads from a token's streams, flattened and
+  RMS-normalised without a scale: (maps_BxLxW, its bias W, its scales). Its parameters `fn`
+  [W, N D], `base` [W] and `scale` are created in `module`."""
+  b, length, n, d = streams_BxLxNxD.shape
+  fn_WxND = module.param("fn", nn.with_logical_partitioning(init(module.init_std),
+                                                            (row_names, "mhc_in")),
+                         (rows, n * d), jnp.float32)
+  base_W = module.param("base", nn.with_logical_partitioning(nn.initializers.zeros,
+                                                             (row_names,)), (rows,), jnp.float32)
+  scale = module.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
+                                                             ("mhc_scales",)), (n_scales,),
+                       jnp.float32)
+  flat_BxLxND = rms(streams_BxLxNxD.reshape(b, length, n * d), module.norm_eps)
+  return flat_BxLxND @ fn_WxND.T, base_W, scale
+
+
 class HyperConnection(nn.Module):
   """The pre, post and residual weights around one block. Returns (the block's input,
   post_BxLxN, res_BxLxNxN)."""
@@ -66,17 +78,8 @@ class HyperConnection(nn.Module):
   @nn.compact
   def __call__(self, streams_BxLxNxD):
     n = self.streams
-    b, length, _, d = streams_BxLxNxD.shape
-    width = (2 + n) * n
-    fn_WxND = self.param("fn", nn.with_logical_partitioning(init(self.init_std),
-                                                            ("mhc_maps", "mhc_in")),
-                         (width, n * d), jnp.float32)
-    base_W = self.param("base", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                             ("mhc_maps",)), (width,), jnp.float32)
-    scale_3 = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
-                                                               ("mhc_scales",)), (3,), jnp.float32)
-    flat_BxLxND = rms_unweighted(streams_BxLxNxD.reshape(b, length, n * d), self.norm_eps)
-    maps_BxLxW = flat_BxLxND @ fn_WxND.T
+    b, length = streams_BxLxNxD.shape[:2]
+    maps_BxLxW, base_W, scale_3 = _read_maps(self, streams_BxLxNxD, (2 + n) * n, "mhc_maps", 3)
     pre, post, res = jnp.split(maps_BxLxW, [n, 2 * n], axis=-1)
     pre_b, post_b, res_b = jnp.split(base_W, [n, 2 * n])
     pre_BxLxN = jax.nn.sigmoid(pre * scale_3[0] + pre_b) + self.eps
@@ -95,17 +98,9 @@ class HyperHead(nn.Module):
 
   @nn.compact
   def __call__(self, streams_BxLxNxD):
-    n = self.streams
-    b, length, _, d = streams_BxLxNxD.shape
-    fn_NxND = self.param("fn", nn.with_logical_partitioning(init(self.init_std),
-                                                            ("mhc_streams", "mhc_in")),
-                         (n, n * d), jnp.float32)
-    base_N = self.param("base", nn.with_logical_partitioning(nn.initializers.zeros,
-                                                             ("mhc_streams",)), (n,), jnp.float32)
-    scale_1 = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones,
-                                                               ("mhc_scales",)), (1,), jnp.float32)
-    flat_BxLxND = rms_unweighted(streams_BxLxNxD.reshape(b, length, n * d), self.norm_eps)
-    pre_BxLxN = jax.nn.sigmoid((flat_BxLxND @ fn_NxND.T) * scale_1[0] + base_N) + self.eps
+    maps_BxLxN, base_N, scale_1 = _read_maps(self, streams_BxLxNxD, self.streams,
+                                             "mhc_streams", 1)
+    pre_BxLxN = jax.nn.sigmoid(maps_BxLxN * scale_1[0] + base_N) + self.eps
     return collapse(streams_BxLxNxD, pre_BxLxN)
 
 

@@ -22,11 +22,10 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from maxlm.model import compressed, rope as rope_lib
-from maxlm.model.dense import init
+from maxlm.model.dense import dense, init, rms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +60,6 @@ def spec_for(cfg, rate, theta):
                  norm_eps=cfg.norm_eps, init_std=cfg.init_std)
 
 
-def _rms(x, eps, scale=None):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return y if scale is None else y * scale
-
-
 class Compressor(nn.Module):
   """The entries of one series (the layer's or the indexer's): projections, slot bias, norm."""
   spec: MqaSpec
@@ -76,8 +69,8 @@ class Compressor(nn.Module):
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     s = self.spec
     c = self.width * (2 if s.overlap else 1)
-    kv = self._dense(c, "kv")(x_BxLxD)
-    gate = self._dense(c, "gate")(x_BxLxD)
+    kv = dense(c, -1, ("embed", None), s.init_std, jnp.float32, "kv")(x_BxLxD)
+    gate = dense(c, -1, ("embed", None), s.init_std, jnp.float32, "gate")(x_BxLxD)
     bias = self.param("slot_bias", nn.with_logical_partitioning(nn.initializers.zeros,
                                                                 ("mqa_slot", None)),
                       (s.rate, c), jnp.float32)
@@ -90,12 +83,6 @@ class Compressor(nn.Module):
                                               s.compress_theta, s.rope_dim)
     return entries, compressed.visible(segment_ids_BxL, end_BxE, valid_BxE)
 
-  def _dense(self, features, name):
-    return nn.DenseGeneral(features, use_bias=False, dtype=jnp.float32,
-                           param_dtype=jnp.float32, name=name,
-                           kernel_init=nn.with_logical_partitioning(init(self.spec.init_std),
-                                                                    ("embed", None)))
-
 
 class Mqa(nn.Module):
   spec: MqaSpec
@@ -105,11 +92,11 @@ class Mqa(nn.Module):
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     s, dt = self.spec, self.dtype
     theta = s.compress_theta if s.rate else s.theta
-    q_low_BxLxQ = _rms(self._dense(s.q_lora, ("embed", None), "q_a")(x_BxLxD), s.norm_eps,
+    q_low_BxLxQ = rms(self._dense(s.q_lora, ("embed", None), "q_a")(x_BxLxD), s.norm_eps,
                        self._scale(s.q_lora, "q_a_norm"))
     q = self._dense((s.heads, s.head_dim), (None, "q_heads", "head_dim"), "q_b")(q_low_BxLxQ)
-    q_BxLxHxK = rope_lib.apply_tail(_rms(q, s.norm_eps), positions_BxL, theta, s.rope_dim)
-    kv = _rms(self._dense(s.head_dim, ("embed", "head_dim"), "kv")(x_BxLxD), s.norm_eps,
+    q_BxLxHxK = rope_lib.apply_tail(rms(q, s.norm_eps), positions_BxL, theta, s.rope_dim)
+    kv = rms(self._dense(s.head_dim, ("embed", "head_dim"), "kv")(x_BxLxD), s.norm_eps,
               self._scale(s.head_dim, "kv_norm"))
     kv_BxLxK = rope_lib.apply_tail(kv, positions_BxL, theta, s.rope_dim)
     entries_BxExK, mask_BxLxE = self._entries(x_BxLxD, q_low_BxLxQ, positions_BxL,
@@ -149,9 +136,7 @@ class Mqa(nn.Module):
     return entries, compressed.select(scores, visible_BxLxE, s.index_top_k)
 
   def _dense(self, features, names, name):
-    return nn.DenseGeneral(features, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
-                           name=name, kernel_init=nn.with_logical_partitioning(
-                               init(self.spec.init_std), names))
+    return dense(features, -1, names, self.spec.init_std, self.dtype, name)
 
   def _scale(self, width, name):
     return self.param(name, nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from maxlm import MaxlmError
 from maxlm.model import layers as layers_lib, mhc, moe, mqa, rope as rope_lib
-from maxlm.model.dense import constrain, dense, init
+from maxlm.model.dense import constrain, dense, init, rms
 from maxlm.model.mlp import Mlp
 from maxlm.model.attention import attention, decode as decode_attention
 from maxlm.model.indexer import Indexer
@@ -52,9 +52,7 @@ class RMSNorm(nn.Module):
   def __call__(self, x):
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (x.shape[-1],), jnp.float32)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * scale).astype(self.dtype)
+    return rms(x, self.eps, scale).astype(self.dtype)
 
 
 class Attention(nn.Module):
