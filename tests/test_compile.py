@@ -99,6 +99,19 @@ def test_a_step_larger_than_a_chip_is_a_verdict_not_a_crash():
   assert line.startswith("stage ") and "does not fit" in line and "model.remat" in line
 
 
+def test_rows_that_do_not_split_over_the_target_are_one_line_before_compiling():
+  """The run's own mesh check (train/stage.py), asked for the target's device count: a stage
+  of 2 rows on a v5e-8 is refused in one line, not an internal error from the sharding."""
+  pytest.importorskip("libtpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "maxlm.cli", "compile", "configs/demo.yaml", *TINY,
+       "stages.0.batch=2", "--stage", "0", "--target", "tpu:v5e:2x4"],
+      capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  (line,) = proc.stderr.strip().splitlines()
+  assert "stages.0.batch=2" in line and "8 ways" in line and "internal error" not in line
+
+
 def test_without_a_compiler_the_target_is_one_line_naming_the_extra(monkeypatch):
   real = target.importlib.util.find_spec
   missing = ("libtpu", "jax_plugins.xla_cuda12")

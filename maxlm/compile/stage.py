@@ -9,7 +9,7 @@ import jax
 
 from maxlm.compile import report
 from maxlm.model import build, impl as impl_lib
-from maxlm.train import memory
+from maxlm.train import memory, stage as stage_lib
 
 
 def compile_stage(config, s, vocab, devices, platform):
@@ -17,6 +17,7 @@ def compile_stage(config, s, vocab, devices, platform):
   stage s compiled for `devices` of `platform`."""
   stage = config.stages[s]
   t0 = time.perf_counter()
+  stage_lib.check_stage_mesh(config, s, len(devices), build.param_axes(config, vocab))
   lowered, model = memory.lower(config, s, vocab, devices, platform)
   try:
     compiled = lowered.compile()

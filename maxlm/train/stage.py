@@ -28,31 +28,38 @@ def validate(config):
     raise MaxlmError(f"model.vocab_size={vocab} is smaller than the tokenizer's "
                      f"{data.manifest['vocab_size']}")
   _check_objective(config, data)
-  n = len(jax.devices())
   params = build.param_axes(config, vocab)
   for i, stage in enumerate(config.stages):
-    try:
-      shape = dict(zip(config_lib.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, n)))
-    except MaxlmError as e:
-      raise MaxlmError(f"stages.{i}.mesh: {e}") from None
-    check_params_divide(i, shape, config.rules, params)
-    batch_ways = int(np.prod([shape[a] for a in config.rules.get("batch", ())]))
-    if (stage.batch // config.train.grad_accum) % batch_ways:
-      raise MaxlmError(f"stages.{i}.batch={stage.batch} (per micro-batch "
-                       f"{stage.batch // config.train.grad_accum}) is not divisible by the "
-                       f"{batch_ways} ways the batch is sharded")
-    if shape["context"] > 1 and stage.seq_len % (2 * shape["context"]):
-      raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
-                       f"{2 * shape['context']} equal chunks for context parallelism")
-    if shape["context"] > 1 and stage.sparse.mode == "sparse" and (
-        stage.sparse.select == "token" or (stage.seq_len // (2 * shape["context"]))
-        % stage.sparse.block):
-      raise MaxlmError(f"stages.{i}.sparse: context parallelism (mesh context="
-                       f"{shape['context']}) needs select=block with seq_len / (2 x context) "
-                       f"a multiple of sparse.block={stage.sparse.block}")
+    check_stage_mesh(config, i, len(jax.devices()), params)
     impl_lib.choose(stage, jax.default_backend(), f"stages.{i}")
     data.rows_per_host(i, jax.process_count())
   return data, vocab
+
+
+def check_stage_mesh(config, i, n, params):
+  """Stage i's mesh on n devices, asked by a run and by `maxlm compile` for its target: the
+  mesh fits n, the parameters (`params`: build.param_axes) and the rows divide over it, and
+  context parallelism's chunks are whole. One-line errors."""
+  stage = config.stages[i]
+  try:
+    shape = dict(zip(config_lib.MESH_AXES, mesh_lib.mesh_shape(stage.mesh, n)))
+  except MaxlmError as e:
+    raise MaxlmError(f"stages.{i}.mesh: {e}") from None
+  check_params_divide(i, shape, config.rules, params)
+  batch_ways = int(np.prod([shape[a] for a in config.rules.get("batch", ())]))
+  if (stage.batch // config.train.grad_accum) % batch_ways:
+    raise MaxlmError(f"stages.{i}.batch={stage.batch} (per micro-batch "
+                     f"{stage.batch // config.train.grad_accum}) is not divisible by the "
+                     f"{batch_ways} ways the batch is sharded")
+  if shape["context"] > 1 and stage.seq_len % (2 * shape["context"]):
+    raise MaxlmError(f"stages.{i}.seq_len={stage.seq_len} must divide into 2 x context = "
+                     f"{2 * shape['context']} equal chunks for context parallelism")
+  if shape["context"] > 1 and stage.sparse.mode == "sparse" and (
+      stage.sparse.select == "token" or (stage.seq_len // (2 * shape["context"]))
+      % stage.sparse.block):
+    raise MaxlmError(f"stages.{i}.sparse: context parallelism (mesh context="
+                     f"{shape['context']}) needs select=block with seq_len / (2 x context) "
+                     f"a multiple of sparse.block={stage.sparse.block}")
 
 
 def _check_objective(config, data):
