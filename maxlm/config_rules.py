@@ -45,8 +45,8 @@ def _mqa_refusal(config, sparse):
       return (f"stages.{i}.mesh.context={stage.mesh.context} with model.mqa: V4's attention "
               "is not split over positions yet; use mesh.context=1")
   if any(o in ("dpo", "grpo") for o in map(config.objective_for, range(len(config.stages)))):
-    return ("model.mqa with a dpo/grpo stage: sampling V4's attention (a key-value cache of "
-            "its entries) is not built yet")
+    return ("model.mqa with a dpo/grpo stage: not built for V4's attention yet (its sampling "
+            "runs a whole forward per token, with no cache of its entries)")
   return None
 
 

@@ -115,22 +115,15 @@ def make_generate(model, *, max_new_tokens, temperature, top_k=0, top_p=1.0, eos
   `left_pad` and `row_keys` make them; `collections`: the model's other variable collections
   (e.g. {"moe_bias": state["moe_bias"]}, so MoE routing matches training). Build it once and
   call it for every batch (a new prompt width or row count retraces)."""
-  unrolled_cfg = dataclasses.replace(model.cfg, scan_layers=False)
-  decoder = model.clone(cfg=unrolled_cfg, decode=True)
+  init_cache, forward, layout = (_recomputing(model) if model.cfg.mqa.enabled
+                                 else _cached(model))
   eos = -1 if eos_id is None else int(eos_id)
 
-  def forward(variables, cache, tokens_NxL, positions_NxL, segments_NxL):
-    (h, head, _), state = decoder.apply({**variables, "cache": cache}, tokens_NxL,
-                                        positions_NxL, segments_NxL, mutable=["cache"])
-    return h[:, -1].astype(jnp.float32) @ head.astype(jnp.float32), state["cache"]
-
   def generate(params, tokens_NxP, prompt_lengths_N, keys_Nx2, collections=None):
-    variables = {name: unrolled(tree, model.cfg)
+    variables = {name: layout(tree)
                  for name, tree in {**(collections or {}), "params": params}.items()}
     n, p = tokens_NxP.shape
-    ones = jnp.ones((n, p + max_new_tokens), jnp.int32)
-    shapes = jax.eval_shape(lambda: decoder.init(jax.random.key(0), ones, ones, ones))
-    cache = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+    cache = init_cache(variables, n, p + max_new_tokens)
     pad_N = p - prompt_lengths_N
     slots_NxP = jnp.arange(p, dtype=jnp.int32)[None] - pad_N[:, None]
     logits_NxV, cache = forward(variables, cache, tokens_NxP, jnp.maximum(slots_NxP, 0),
@@ -162,6 +155,50 @@ def make_generate(model, *, max_new_tokens, temperature, top_k=0, top_p=1.0, eos
     return out_NxT, lengths_N, logp_NxT
 
   return jax.jit(generate)
+
+
+def _cached(model):
+  """(init_cache, forward, layout) of sampling with the decoder's key-value cache: each step
+  runs the new tokens alone against the cached keys and values of every layer."""
+  decoder = model.clone(cfg=dataclasses.replace(model.cfg, scan_layers=False), decode=True)
+
+  def init_cache(variables, n, length):
+    ones = jnp.ones((n, length), jnp.int32)
+    shapes = jax.eval_shape(lambda: decoder.init(jax.random.key(0), ones, ones, ones))
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+
+  def forward(variables, cache, tokens_NxL, positions_NxL, segments_NxL):
+    (h, head, _), state = decoder.apply({**variables, "cache": cache}, tokens_NxL,
+                                        positions_NxL, segments_NxL, mutable=["cache"])
+    return h[:, -1].astype(jnp.float32) @ head.astype(jnp.float32), state["cache"]
+
+  return init_cache, forward, lambda tree: unrolled(tree, model.cfg)
+
+
+def _recomputing(model):
+  """(init_cache, forward, layout) of sampling DeepSeek-V4's attention (model.mqa) without a
+  key-value cache of its compressed entries: the "cache" is the rows' tokens, positions and
+  segment ids so far, and each step runs the training forward over all of them and reads the
+  logits of the last one written. Slots not yet written are segment 0, which no query sees
+  and no compressed entry takes in, so step t computes exactly what a forward over the first
+  t tokens computes; the cost per token grows with the sequence (one whole forward)."""
+
+  def init_cache(variables, n, length):
+    del variables
+    zeros = jnp.zeros((n, length), jnp.int32)
+    return {"tokens": zeros, "positions": zeros, "segments": zeros, "index": jnp.int32(0)}
+
+  def forward(variables, cache, tokens_NxL, positions_NxL, segments_NxL):
+    i = cache["index"]
+    cache = {**{name: jax.lax.dynamic_update_slice(cache[name], new.astype(jnp.int32), (0, i))
+                for name, new in (("tokens", tokens_NxL), ("positions", positions_NxL),
+                                  ("segments", segments_NxL))},
+             "index": i + tokens_NxL.shape[1]}
+    h, head, _ = model.apply(variables, cache["tokens"], cache["positions"], cache["segments"])
+    last_NxD = jax.lax.dynamic_index_in_dim(h, cache["index"] - 1, axis=1, keepdims=False)
+    return last_NxD.astype(jnp.float32) @ head.astype(jnp.float32), cache
+
+  return init_cache, forward, lambda tree: tree
 
 
 def unrolled(tree, cfg):

@@ -1,6 +1,6 @@
 """Which transformers class a maxlm model is, its config.json, and its mixture-of-experts tensors.
 
-maxlm's attention is Llama's in every family (GQA, RoPE by `rotate_half` over the whole head,
+maxlm's GQA attention is Llama's in every family but V4's (GQA, RoPE by `rotate_half` over the whole head,
 no q/k norm, no biases, RMSNorm), so a class qualifies only with exactly that attention. Read in
 transformers 5.24 (models/*/modeling_*.py), the classes that qualify and what each can hold:
 
@@ -22,8 +22,11 @@ transformers 5.24 (models/*/modeling_*.py), the classes that qualify and what ea
              use_qk_norm false, partial_rotary_factor 1, one expert group, routed scale 1. It has
              no sliding layers and makes every layer after the dense prefix MoE (every = 1).
 
+A model with DeepSeek-V4's attention (model.mqa) is DeepseekV4ForCausalLM (deepseek_v4.py holds
+what that class can hold, its config and tensors).
+
 Not chosen: Qwen3-MoE, dots1, exaone_moe, afmoe, laguna (q/k RMSNorm on every layer);
-DeepSeek-V3/V3.2/V4, glm4_moe_lite, AXK (multi-head latent attention); mixtral (no shared
+DeepSeek-V3/V3.2, glm4_moe_lite, AXK (multi-head latent attention); mixtral (no shared
 experts, no per-layer pattern); granitemoe_swa, mimo_v2_flash, gpt_oss (attention sinks, extra
 multipliers; mimo's sliding layers double the kv heads and it has no shared experts);
 ernie4_5_moe (softmax with a correction bias, but interleaved RoPE, its own MoE layer rule and
@@ -38,12 +41,14 @@ of the published Qwen-MoE and GLM-4.5 checkpoints, which transformers fuses when
 import numpy as np
 
 from maxlm import MaxlmError
-from maxlm.interop import hf_config
+from maxlm.interop import deepseek_v4, hf_config
 from maxlm.model import layers as layers_lib
 
 LLAMA, MINISTRAL, QWEN2_MOE, GLM4_MOE = "llama", "ministral", "qwen2_moe", "glm4_moe"
+DEEPSEEK_V4 = deepseek_v4.MODEL_TYPE
 CLASSES = {LLAMA: "LlamaForCausalLM", MINISTRAL: "MinistralForCausalLM",
-           QWEN2_MOE: "Qwen2MoeForCausalLM", GLM4_MOE: "Glm4MoeForCausalLM"}
+           QWEN2_MOE: "Qwen2MoeForCausalLM", GLM4_MOE: "Glm4MoeForCausalLM",
+           DEEPSEEK_V4: deepseek_v4.CLASS}
 BIAS_NAME = "mlp.gate.e_score_correction_bias"
 # the router and its bias stay float32 whatever the export dtype: maxlm routes in float32, and
 # GLM-4-MoE keeps both in float32 (_keep_in_fp32_modules_strict)
@@ -55,13 +60,12 @@ def family(cfg):
   holds it."""
   moe, window = cfg.moe, cfg.attention.window
   if cfg.mqa.enabled:
-    raise hf_config.CannotExpress(
-        f"model.mqa.q_lora={cfg.mqa.q_lora}: exporting DeepSeek-V4's attention (to "
-        "DeepseekV4ForCausalLM) is not built yet")
+    deepseek_v4.check(cfg)
+    return DEEPSEEK_V4
   if cfg.mhc.streams:
     raise hf_config.CannotExpress(
         f"model.mhc.streams={cfg.mhc.streams}: hyper-connections exist in transformers only "
-        "inside DeepseekV4ForCausalLM, whose attention and experts are not this decoder's")
+        "inside DeepseekV4ForCausalLM, which needs DeepSeek-V4's attention (model.mqa)")
   if not moe.enabled:
     return MINISTRAL if window else LLAMA
   v4 = [key for key, used in (("score", moe.score == "sqrt_softplus"),
@@ -97,9 +101,11 @@ def moe_layers(cfg):
 
 def config_json(config, meta, vocab, special, dtype):
   """config.json of the checkpoint with metadata `meta` of a run with `config`."""
-  out = hf_config.llama_config(config, meta, vocab, special, dtype)
   m = config.model
   fam = family(m)
+  if fam == DEEPSEEK_V4:
+    return deepseek_v4.config_json(config, meta, vocab, special, dtype)
+  out = hf_config.llama_config(config, meta, vocab, special, dtype)
   if fam == LLAMA:
     return out
   for key in ("pretraining_tp", "mlp_bias"):
@@ -131,6 +137,8 @@ def check_folder(hf, cfg, where):
   fam = family(cfg)
   if fam == LLAMA:
     return hf_config.check_llama(hf, cfg, where)
+  if fam == DEEPSEEK_V4:
+    return deepseek_v4.check_folder(hf, cfg, where)
   kind = hf.get("model_type")
   if kind != fam:
     raise MaxlmError(f"{where} holds a {kind or 'model of unknown type'} model; this config's "
@@ -282,7 +290,13 @@ def constants(cfg, biased):
 
 
 def check_constant(name, array, value):
-  if np.any(array != value):
-    raise MaxlmError(f"tensor {name} is not {value:g} everywhere: that model "
-                     f"{'gates its shared expert' if 'shared' in name else 'has a bias'}, "
-                     "which this config's maxlm model cannot hold")
+  """A tensor maxlm holds no parameter for must be the value maxlm's model implies (an
+  array of it)."""
+  if np.shape(array) == np.shape(value) and not np.any(array != value):
+    return
+  if name.endswith("tid2eid"):
+    raise MaxlmError(f"tensor {name}: that model's hash layer sends tokens to other experts "
+                     "than maxlm's fixed table (maxlm/model/moe.py hash_table) would")
+  what = "gates its shared expert" if "shared" in name else "has a bias"
+  raise MaxlmError(f"tensor {name} is not {np.ravel(value)[0]:g} everywhere: that model "
+                   f"{what}, which this config's maxlm model cannot hold")

@@ -17,7 +17,7 @@ direct test of `locations` would check.
 
 import numpy as np
 
-from maxlm.interop import families
+from maxlm.interop import deepseek_v4, families
 from maxlm.interop.tensor_map import (Leaf, contiguous, got_in_layer, hf_layer_name,
                                       named_in_layer, outer_leaves)
 from maxlm.model import layers as layers_lib
@@ -45,6 +45,8 @@ def locations(cfg):
 
 def layer_parts(cfg, spec, llama_layer, llama_names, biased):
   """{local path: (collection, shape, {hf suffix: shape}, to_hf, from_hf)} of one layer."""
+  if families.family(cfg) == families.DEEPSEEK_V4:
+    return deepseek_v4.layer_parts(cfg, spec, biased)
   parts = {}
   for local, (shape, to_hf, from_hf) in llama_layer.items():
     if spec.moe and local[0] == "mlp":
@@ -93,6 +95,8 @@ def leaves(cfg, llama_layer, llama_names, biased):
                         from_hf, layers=tuple(i for _, i in rows), collection=collection,
                         hf=hf))
   out.extend(_constants(cfg, specs, biased))
+  if families.family(cfg) == families.DEEPSEEK_V4:
+    return out + deepseek_v4.outer_leaves(cfg)
   for leaf in outer_leaves(cfg):
     out.append(Leaf(leaf.path, leaf.shape, False, leaf.names, leaf.to_hf, leaf.from_hf,
                     hf={leaf.names[0]: leaf.shape[::-1] if leaf.path == ("head",)
@@ -103,17 +107,25 @@ def leaves(cfg, llama_layer, llama_names, biased):
 def _constants(cfg, specs, biased):
   out = []
   for i, spec in enumerate(specs):
-    for suffix, (shape, value) in (families.constants(cfg, biased) if spec.moe else {}).items():
+    for suffix, value in _layer_constants(cfg, spec, biased).items():
       name = hf_layer_name(i, suffix)
 
-      def to_hf(_, name=name, shape=shape, value=value):
-        return {name: np.full(shape, value, np.float32)}
+      def to_hf(_, name=name, value=value):
+        return {name: value}
 
       def from_hf(get, name=name, value=value):
         families.check_constant(name, get(name), value)
-      out.append(Leaf(None, shape, False, (name,), to_hf, from_hf, collection=None,
-                      hf={name: shape}))
+      out.append(Leaf(None, value.shape, False, (name,), to_hf, from_hf, collection=None,
+                      hf={name: value.shape}))
   return out
+
+
+def _layer_constants(cfg, spec, biased):
+  """{hf suffix: array} of a layer's tensors that hold no maxlm parameter (families.py)."""
+  if families.family(cfg) == families.DEEPSEEK_V4:
+    return deepseek_v4.constants(cfg, spec, biased)
+  return {suffix: np.full(shape, value, np.float32) for suffix, (shape, value)
+          in (families.constants(cfg, biased) if spec.moe else {}).items()}
 
 
 def hf_shapes(cfg, all_leaves, biased):

@@ -188,8 +188,9 @@ class Block(nn.Module):
     """DeepSeek-V4's attention (maxlm/model/mqa.py); it reports no attention logit."""
     c = self.cfg
     if self.decode:
-      raise MaxlmError("sampling a model with model.mqa (DeepSeek-V4's attention) is not built "
-                       "yet: it needs a key-value cache of the compressed entries")
+      raise MaxlmError("the decoder's key-value cache does not hold DeepSeek-V4's compressed "
+                       "entries (model.mqa): sample it with eval/sample.py, which reruns the "
+                       "forward per token")
     spec = mqa.spec_for(c, self.spec.compress, self.settings.rope.theta)
     out = mqa.Mqa(spec, jnp.dtype(c.dtype), name="attention")(x_BxLxD, positions_BxL,
                                                               segment_ids_BxL)

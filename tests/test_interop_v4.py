@@ -1,0 +1,215 @@
+"""A DeepSeek-V4 model (model.mqa + model.mhc + V4's experts) as transformers'
+DeepseekV4ForCausalLM (maxlm/interop/deepseek_v4.py): every tensor made once and read back bit
+for bit, logits equal to transformers' on single documents and on a packed row, and what the
+class cannot hold refused in one line."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from maxlm import MaxlmError, config as config_lib
+from maxlm.data import tokenizer as tok_lib
+from maxlm.interop import families, hf_config, layout, load, parity, tensor_map
+
+MQA = {"q_lora": 12, "rope_dim": 8, "out_groups": 2, "out_lora": 6, "window": 5,
+       "csa_rate": 4, "hca_rate": 8, "index_heads": 8, "index_dim": 8, "index_top_k": 3}
+MOE = {"experts": 4, "top_k": 2, "shared_experts": 1, "d_ff": 16, "score": "sqrt_softplus",
+       "route_scale": 1.5, "swiglu_limit": 10.0}
+CASES = {  # name: (model.mqa.compress, model.moe.hash_layers, balance)
+    "window_only": ([0], 0, "bias"),
+    "csa_hca_hash": ([0, 4, 8, 4], 1, "bias"),
+    "hca_hash_unbiased": ([8, 8, 0, 8], 2, "none"),
+}
+STAGE = {"seq_len": 64, "batch": 1, "steps": 1}
+
+
+def _config(name, **model):
+  compress, hashed, balance = CASES[name]
+  keys = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 1, "head_dim": 16,
+          "d_ff": 48, "mqa": {**MQA, "compress": compress}, "mhc": {"streams": 4},
+          "moe": {**MOE, "hash_layers": hashed, "balance": balance}}
+  return parity.config_for({**keys, **model}, [STAGE])
+
+
+def _random(name, **model):
+  config = _config(name, **model)
+  m, params = parity.random_params(config)
+  # the indexer's ReLU scores tie at 0 where every head's product is negative, and the two
+  # top-k break ties differently: positive head weights make a tie unlikely
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: np.abs(x) if "index_weights" in jax.tree_util.keystr(p) else x, params)
+  bias = parity.random_bias(m) if config.model.moe.balance == "bias" else None
+  return config, m, params, bias
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_makes_every_hf_tensor_once_and_inverts(name):
+  config, _, _, bias = _random(name)
+  cfg = config.model
+  made, rng = {}, np.random.default_rng(0)
+  for leaf in layout.leaves(cfg, biased=bias is not None):
+    array = None if leaf.path is None else rng.standard_normal(leaf.shape).astype(np.float32)
+    for row, i in enumerate(leaf.layer_ids()) if leaf.per_layer else [(None, None)]:
+      part = array if row is None else array[row]
+      tensors = leaf.to_hf(part)
+      full = {tensor_map.hf_layer_name(i, n) if i is not None else n: t
+              for n, t in tensors.items()}
+      assert not set(full) & set(made)
+      made.update(full)
+      if leaf.path is not None and not (leaf.collection == "moe_bias" and not tensors):
+        assert np.array_equal(leaf.from_hf(tensors.__getitem__), part), leaf.path
+  assert {n: t.shape for n, t in made.items()} == layout.hf_shapes(cfg, bias is not None)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_transformers_and_import_is_bitwise(name, tmp_path):
+  pytest.importorskip("torch", reason="torch not installed (pip install -e '.[hf]')")
+  pytest.importorskip("transformers", reason="transformers not installed (pip install -e "
+                                             "'.[hf]')")
+  config, m, params, bias = _random(name)
+  parity.random_folder(tmp_path, config, params, bias)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  assert hf["architectures"] == ["DeepseekV4ForCausalLM"]
+  rng = np.random.default_rng(1)
+  one = [rng.integers(0, 256, 64).tolist()]
+  packed = [rng.integers(0, 256, 23).tolist(), rng.integers(0, 256, 41).tolist()]
+  assert parity.max_difference(m, params, tmp_path, one, 64, bias) < 1e-4
+  assert parity.max_difference(m, params, tmp_path, packed, 64, bias) < 1e-4
+  loaded_params, loaded_bias = _load(config, tmp_path, params, bias)
+  want, got = _flat(params), _flat(loaded_params)
+  assert want.keys() == got.keys()
+  for key in want:
+    assert np.array_equal(got[key], want[key]), key
+  if bias is not None:
+    for key, value in _flat(bias).items():  # a hash layer's unused bias reads back as 0
+      expected = 0 * value if _hashed_bias(config, key) else value
+      assert np.array_equal(_flat(loaded_bias)[key], expected), key
+
+
+def test_batched_greedy_sampling_equals_transformers_generate(tmp_path):
+  """The sampler's V4 path (a forward over the rows so far per token, eval/sample.py) on two
+  left-padded prompts of different lengths continues them as transformers' generate does, with
+  its own caches of compressed entries, over windows and entries that close while sampling."""
+  torch = pytest.importorskip("torch", reason="torch not installed (pip install -e '.[hf]')")
+  transformers = pytest.importorskip("transformers")
+  from maxlm.eval import sample
+  config, m, params, bias = _random("csa_hca_hash")
+  parity.random_folder(tmp_path, config, params, bias)
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, 256, 7).tolist(), rng.integers(0, 256, 12).tolist()]
+  tokens, lengths, _ = sample.generate_arrays(m, params, prompts, n_samples=1,
+                                              max_new_tokens=20, temperature=0.0,
+                                              collections={"moe_bias": bias})
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  for prompt, ours in zip(prompts, tokens):
+    with torch.no_grad():
+      out = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                               eos_token_id=None)
+    assert ours.tolist() == out[0, len(prompt):].tolist()
+
+
+def _hashed_bias(config, key):
+  """Whether `key` (a keystr of the bias tree) is a hash layer's bias, which no tensor holds."""
+  return any(leaf.collection == "moe_bias" and not leaf.names
+             and key == jax.tree_util.keystr(tuple(jax.tree_util.DictKey(k) for k in leaf.path))
+             for leaf in layout.leaves(config.model, biased=True))
+
+
+def _load(config, folder, params, bias, **model):
+  cfg = dataclasses.replace(config.model, **model)
+  raw = config_lib.to_dict(config)
+  raw["model"] = {**raw["model"], **model}
+  raw["init"] = {"from": str(folder)}
+  source = load.open_source(config_lib.from_dict(raw), cfg.vocab_size, None, log=lambda _: 0)
+  shaped = jax.tree_util.tree_map(np.asarray, params)
+  return (load.params(source, cfg, shaped),
+          None if bias is None else load.moe_bias(source, cfg, bias))
+
+
+def test_what_the_class_cannot_hold_is_refused_in_one_line():
+  for model, key in (({"mhc": {"streams": 0}}, "model.mhc.streams"),
+                     ({"moe": {**MOE, "first_dense": 1}}, "model.moe.first_dense"),
+                     ({"moe": {**MOE, "shared_experts": 2}}, "model.moe.shared_experts"),
+                     ({"moe": {**MOE, "score": "sigmoid"}}, "model.moe.score"),
+                     ({"tied_embeddings": True}, "model.tied_embeddings")):
+    with pytest.raises(hf_config.CannotExpress) as e:
+      families.family(_config("csa_hca_hash", **model).model)
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_import_names_the_key_that_differs_and_checks_the_hash_table(tmp_path):
+  config, m, params, bias = _random("csa_hca_hash")
+  parity.random_folder(tmp_path, config, params, bias)
+  for model, key in (({"mqa": {**MQA, "compress": [0, 4, 4, 4]}}, "model.mqa.compress"),
+                     ({"mqa": {**MQA, "compress": [0, 4, 8, 4], "window": 7}},
+                      "model.mqa.window"),
+                     ({"moe": {**MOE, "hash_layers": 2}}, "model.moe.hash_layers")):
+    other = _config("csa_hca_hash", **model)
+    with pytest.raises(MaxlmError) as e:
+      _load(other, tmp_path, params, bias)
+    assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
+  weights = load_file(str(tmp_path / "model.safetensors"))
+  table = weights["model.layers.0.ffn.gate.tid2eid"]
+  table[5] = table[5][::-1] + 1
+  save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+  with pytest.raises(MaxlmError, match="hash layer sends tokens to other experts"):
+    _load(config, tmp_path, params, bias)
+
+
+def test_a_trained_v4_run_exports_loads_in_transformers_and_generates_alike(demo_data, tmp_path,
+                                                                            here):
+  """configs/v4_tiny.yaml shrunk, trained 3 steps with Muon and a moving bias: `maxlm export`
+  writes a folder transformers loads, its greedy continuation is `maxlm generate`'s, and
+  `init.from` reads the export back bit for bit."""
+  pytest.importorskip("torch", reason="torch not installed (pip install -e '.[hf]')")
+  transformers = pytest.importorskip("transformers")
+  import torch
+  from maxlm.train import loop
+  cfg = config_lib.load("configs/v4_tiny.yaml", [
+      f"data.dir={demo_data}", f"run_dir={tmp_path / 'run'}", "model.n_layers=2",
+      "model.d_model=64", "model.moe.experts=4", "model.moe.d_ff=64",
+      "model.mqa.compress=[4, 32]", "train.checkpoint_every=3", "train.eval_every=0",
+      "stages=[{seq_len: 64, batch: 8, steps: 3}]"])
+  loop.train(cfg, log=lambda _: 0)
+  here("export", cfg.run_dir, "--out", tmp_path / "hf")
+  prompt = "The river"
+  ours = here("generate", cfg.run_dir, "--prompt", prompt, "--temperature", "0",
+              "--max-tokens", "16").stdout.strip()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                         dtype=torch.float32).eval()
+  ids = tokenizer(prompt, return_tensors="pt").input_ids
+  with torch.no_grad():
+    out = hf.generate(ids, max_new_tokens=16, do_sample=False)
+  sp = tok_lib.load((demo_data / "tokenizer.model").read_bytes())  # what generate decodes with
+  theirs = prompt + sp.decode(out[0, ids.shape[1]:].tolist())
+  assert ours == theirs.strip() and len(ours) > len(prompt)
+  state = _checkpoint_state(cfg.run_dir, 3)
+  vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+  model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
+  raw = {**config_lib.to_dict(cfg), "init": {"from": str(tmp_path / "hf")}}
+  source = load.open_source(config_lib.from_dict(raw), vocab, None, log=lambda _: 0)
+  for got, want in ((load.params(source, model_cfg, state["params"]), state["params"]),
+                    (load.moe_bias(source, model_cfg, state["moe_bias"]), state["moe_bias"])):
+    got, want = _flat(got), _flat(want)
+    for key in want:
+      expected = 0 * want[key] if _hashed_bias(cfg, key) else want[key]
+      assert np.array_equal(got[key], expected), key
+  assert any(np.any(v != 0) for v in _flat(state["moe_bias"]).values())
+
+
+def _checkpoint_state(run_dir, step):
+  import os
+  import orbax.checkpoint as ocp
+  state = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step),
+                                                        "state"))
+  return jax.tree_util.tree_map(np.asarray, state)
