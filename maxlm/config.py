@@ -14,7 +14,7 @@ from maxlm.config_checks import MAX_BATCH, MAX_MODEL_DIM, MAX_SEQ_LEN
 from maxlm.config_checks import above as _above, at_least as _at_least, in_range as _in_range
 from maxlm import config_rules
 from maxlm.config_grpo import GrpoConfig
-from maxlm.config_model import AttentionConfig, MhcConfig, MoeConfig, MqaConfig
+from maxlm.config_model import AttentionConfig, MhcConfig, MoeConfig, MqaConfig, MtpConfig
 from maxlm.config_sparse import SparseConfig
 from maxlm.typed_yaml import ConfigError, apply_override, build, read_yaml, resolve_path
 
@@ -104,6 +104,7 @@ class ModelConfig:
   attention: AttentionConfig = AttentionConfig()
   mhc: MhcConfig = MhcConfig()
   mqa: MqaConfig = MqaConfig()
+  mtp: MtpConfig = MtpConfig()
 
   def check(self, key):
     if self.size not in MODEL_SIZES:
@@ -129,6 +130,7 @@ class ModelConfig:
     self.attention.check(f"{key}.attention")
     self.mhc.check(f"{key}.mhc")
     self.mqa.check(f"{key}.mqa", self.n_layers, self.n_heads, self.head_dim)
+    self.mtp.check(f"{key}.mtp")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The model's optional families: mixture-of-experts layers (`model.moe`), local/global
-attention (`model.attention`) and hyper-connections (`model.mhc`). Split from config.py, which holds the dense model's keys; the
+attention (`model.attention`), hyper-connections (`model.mhc`), DeepSeek-V4's attention
+(`model.mqa`) and multi-token prediction (`model.mtp`). Split from config.py, which holds the dense model's keys; the
 layer pattern both decide is built in one place, maxlm/model/layers.py."""
 
 import dataclasses
@@ -102,6 +103,18 @@ class MhcConfig:
     in_range(f"{key}.streams", self.streams, 0, 16)
     in_range(f"{key}.sinkhorn_iters", self.sinkhorn_iters, 1, 100)
     above(f"{key}.eps", self.eps, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpConfig:
+  """Multi-token prediction: one more block predicts the token after next (DeepSeek-V3/V4;
+  maxlm/model/mtp.py, docs/model.md)."""
+  depth: int = 0  # in [0, 1]; extra tokens predicted (DeepSeek-V4: 1); 0: none
+  weight: float = 0.3  # >= 0; the MTP loss's weight beside the main loss (DeepSeek-V3: 0.3)
+
+  def check(self, key):
+    in_range(f"{key}.depth", self.depth, 0, 1)
+    at_least(f"{key}.weight", self.weight, 0)
 
 
 @dataclasses.dataclass(frozen=True)

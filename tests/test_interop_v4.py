@@ -213,3 +213,37 @@ def _checkpoint_state(run_dir, step):
   state = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step),
                                                         "state"))
   return jax.tree_util.tree_map(np.asarray, state)
+
+
+def test_an_mtp_block_is_exported_only_to_v4_and_otherwise_starts_afresh(tmp_path):
+  """DeepseekV4ForCausalLM's folder holds the MTP block as mtp.0.* (transformers skips them)
+  and init.from reads it back; a Llama folder leaves it out, and init.from then keeps the
+  run's own initial MTP parameters."""
+  config, m, params, bias = _random("csa_hca_hash", mtp={"depth": 1, "weight": 0.3})
+  assert "mtp" in params
+  (tmp_path / "v4").mkdir()
+  parity.random_folder(tmp_path / "v4", config, params, bias)
+  assert any(n.startswith("mtp.0.") for n in load_file(str(tmp_path / "v4" /
+                                                           "model.safetensors")))
+  loaded, _ = _load(config, tmp_path / "v4", params, bias)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded["mtp"]),
+                                                  jax.tree.leaves(params["mtp"])))
+  llama = parity.config_for({"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                             "head_dim": 8, "d_ff": 48, "mtp": {"depth": 1}},
+                            [{"seq_len": 32, "batch": 1, "steps": 1}])
+  _, llama_params = parity.random_params(llama)
+  (tmp_path / "llama").mkdir()
+  parity.random_folder(tmp_path / "llama", llama, llama_params)
+  assert not any(n.startswith("mtp.") for n in load_file(str(tmp_path / "llama" /
+                                                             "model.safetensors")))
+  raw = {**config_lib.to_dict(llama), "init": {"from": str(tmp_path / "llama")}}
+  notes = []
+  source = load.open_source(config_lib.from_dict(raw), 256, None, log=notes.append)
+  assert any("no MTP block" in n for n in notes)
+  fresh = {tuple(getattr(k, "key", k) for k in p): np.full(x.shape, 7.0, np.float32)
+           for p, x in jax.tree_util.tree_leaves_with_path(llama_params)}
+  got = load.params(source, llama.model, llama_params, fresh=fresh.__getitem__)
+  assert all(np.all(x == 7.0) for x in jax.tree.leaves(got["mtp"]))
+  assert np.array_equal(got["embedding"], llama_params["embedding"])
+  with pytest.raises(MaxlmError, match="holds no mtp.0."):
+    load.params(source, llama.model, llama_params)

@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from maxlm import MaxlmError, io, outputs
 from maxlm.data import tokenizer as tok_lib
-from maxlm.interop import families, hf_config, layout, run_reader, tokenizer
+from maxlm.interop import families, hf_config, layout, run_reader, tensor_map, tokenizer
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 SHARD_BYTES = 2 * 2**30
@@ -72,6 +72,8 @@ def export(run_dir, out, step=None, dtype="float32", shard_bytes=SHARD_BYTES,
     _put_in_place(tmp, target, out, overwrite)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+  if source.model_cfg.mtp.depth and not families.writes_mtp(source.model_cfg):
+    log(f"note: the MTP block (model.mtp) is not exported: {hf['architectures'][0]} has none")
   if source.unverified:
     log(f"note: {len(source.unverified)} parameters have no whole-array checksum (a "
         "multi-process checkpoint) and were exported unverified")
@@ -190,7 +192,8 @@ def _write_weights(folder, source, dtype, shard_bytes):
   """Streams every tensor into shards of at most shard_bytes; returns (file names, bytes)."""
   shapes = layout.hf_shapes(source.model_cfg)
   _check_expressible(source)
-  names = source.names()
+  names = [n for n in source.names() if families.writes_mtp(source.model_cfg)
+           or not n.startswith(tensor_map.MTP_PREFIX)]
   size = {n: int(np.prod(shapes[n])) * np.dtype(_dtype(n, dtype)).itemsize for n in names}
   shards, current = [], []
   for n in names:  # planned from the shapes first: file names need the shard count

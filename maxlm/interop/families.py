@@ -91,6 +91,13 @@ def family(cfg):
   return GLM4_MOE
 
 
+def writes_mtp(cfg):
+  """Whether an export holds the MTP block's tensors (tensor_map.mtp_leaves): only for
+  DeepseekV4ForCausalLM, whose loader skips `mtp.*`; another class would report them as
+  unexpected weights, so its folder leaves them out and `init.from` starts that block afresh."""
+  return bool(cfg.mtp.depth) and family(cfg) == DEEPSEEK_V4
+
+
 def layer_types(cfg):
   return ["sliding_attention" if s.window else "full_attention" for s in layers_lib.specs(cfg)]
 

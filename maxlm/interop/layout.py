@@ -12,13 +12,17 @@ import numpy as np
 
 from maxlm.interop import families, planned
 from maxlm.interop.tensor_map import (Leaf, contiguous, got_in_layer, hf_layer_name,
-                                      named_in_layer, outer_leaves)
+                                      mtp_leaves, named_in_layer, outer_leaves)
 from maxlm.model import moe_state
 
 
 def leaves(cfg, biased=None):
   """The Leaf of every maxlm parameter, for a ModelConfig with vocab_size resolved (and of
   every layer's balancing bias when `biased`, default: the model trains one)."""
+  return _family_leaves(cfg, biased) + mtp_leaves(cfg)
+
+
+def _family_leaves(cfg, biased):
   if families.family(cfg) != families.LLAMA:
     return planned.leaves(cfg, _llama_layer(cfg), _LAYER_NAMES,
                           moe_state.enabled(cfg) if biased is None else biased)
@@ -104,4 +108,6 @@ def hf_shapes(cfg, biased=None):
       shapes[hf_layer_name(i, name)] = shape
   if not cfg.tied_embeddings:
     shapes["lm_head.weight"] = (v, d)
+  for leaf in mtp_leaves(cfg):
+    shapes.update(leaf.hf)
   return shapes

@@ -153,7 +153,10 @@ def _from_hf(path, cfg, where, log):
   for note in families.check_folder(folder.hf, cfg, where):
     log(f"note: {where}: {note}")
   shapes = layout.hf_shapes(cfg)
-  missing = [n for n in shapes if n not in folder.files]
+  optional = {n for leaf in layout.leaves(cfg) if leaf.optional for n in leaf.names}
+  missing = [n for n in shapes if n not in folder.files and n not in optional]
+  if optional and not optional & set(folder.files):
+    log(f"note: {where} holds no MTP block: model.mtp starts from its initialisation")
   if missing:
     raise MaxlmError(f"{where}: {len(missing)} tensors missing, e.g. {missing[0]}")
   get = _checked(folder.get, shapes, where)
@@ -168,7 +171,7 @@ def _from_hf(path, cfg, where, log):
   with open(os.path.join(path, "config.json"), "rb") as f:
     digest = hashlib.sha256(f.read()).hexdigest()[:16]
   record = {"from": path, "kind": "hf", "path": _absolute(path), "config_sha256": digest}
-  return Source(get, list(shapes), record, tokenizer)
+  return Source(get, [n for n in shapes if n in folder.files], record, tokenizer)
 
 
 def _check_digests(path, where, log):
@@ -224,11 +227,12 @@ def _absolute(path):
   return os.path.abspath(path) if io.is_local(path) else path
 
 
-def params(source, cfg, params_like, put=lambda path, array: array):
+def params(source, cfg, params_like, put=lambda path, array: array, fresh=None):
   """A tree shaped like `params_like` (the parameters of ModelConfig `cfg`, vocab resolved),
   read from the source one parameter at a time; `put(path, array)` places each as it is read
-  (the identity: host arrays)."""
-  return _collection(source, cfg, params_like, put, "params")
+  (the identity: host arrays). A parameter the source may lack (Leaf.optional: the MTP block)
+  and does lack is `fresh(path)`, the run's own initial value."""
+  return _collection(source, cfg, params_like, put, "params", fresh)
 
 
 def moe_bias(source, cfg, bias_like, put=lambda path, array: array):
@@ -237,14 +241,19 @@ def moe_bias(source, cfg, bias_like, put=lambda path, array: array):
   return _collection(source, cfg, bias_like, put, "moe_bias")
 
 
-def _collection(source, cfg, like_tree, put, collection):
+def _collection(source, cfg, like_tree, put, collection, fresh=None):
   by_path = {leaf.path: leaf for leaf in layout.leaves(cfg, biased=collection == "moe_bias"
                                                        or None)
              if leaf.collection == collection}
+  there = set(source.names)
 
   def one(path, like):
     keys = tuple(getattr(k, "key", k) for k in path)
     leaf = by_path[keys]
+    if leaf.optional and not set(leaf.names) <= there:
+      if fresh is None:
+        raise MaxlmError(f"the source holds no {leaf.names[0]}")
+      return fresh(keys)
     if leaf.per_layer:
       array = np.stack([leaf.from_hf(lambda n, i=i: source.get(tensor_map.hf_layer_name(i, n)))
                         for i in leaf.layer_ids()])
@@ -282,7 +291,10 @@ def into_state(source, state, model, opt, mesh, shardings, log):
 
   def put(keys, array):
     return jax.make_array_from_callback(array.shape, where[keys], lambda index: array[index])
-  placed = params(source, model.cfg, jax.eval_shape(lambda: state["params"]), put)
+  fresh = {tuple(getattr(k, "key", k) for k in p): x
+           for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+  placed = params(source, model.cfg, jax.eval_shape(lambda: state["params"]), put,
+                  fresh.__getitem__)
   with mesh:
     opt_state = jax.jit(opt.init)(placed)
   log(f"parameters from init.from {source.record['from']} ({source.record['kind']})")

@@ -5,6 +5,7 @@ leaves every family ends with (the final norm and the untied head)."""
 import dataclasses
 from typing import Callable
 
+import jax
 import numpy as np
 
 
@@ -21,6 +22,7 @@ class Leaf:
   layers: tuple = None  # the model layer of each row of a stacked leaf (None: row i, layer i)
   collection: str = "params"  # its variable collection ("moe_bias": the balancing bias)
   hf: dict = None  # {hf name (suffix when per_layer): shape} (None: a Llama leaf, hf_shapes)
+  optional: bool = False  # a source may lack it (the MTP block): the run keeps its own init
 
   def layer_ids(self):
     return tuple(range(self.shape[0])) if self.layers is None else self.layers
@@ -44,6 +46,29 @@ def outer_leaves(cfg):
     out.append(Leaf(("head",), (d, v), False, ("lm_head.weight",),
                     lambda a: {"lm_head.weight": contiguous(a.T)},
                     lambda get: contiguous(get("lm_head.weight").T)))
+  return out
+
+
+MTP_PREFIX = "mtp.0."  # DeepSeek's name for the first MTP module; transformers ignores mtp.*
+
+
+def mtp_leaves(cfg):
+  """The MTP block's parameters (model.mtp.depth 1), each one tensor `mtp.0.<its path>` in our
+  own layout: no transformers class but DeepSeek-V4's names them, and that one skips them, so
+  only maxlm reads them back (init.from)."""
+  if not cfg.mtp.depth:
+    return []
+  from maxlm.config import RopeConfig
+  from maxlm.model import transformer
+  out = []
+  shapes = transformer.mtp_param_shapes(cfg, RopeConfig())
+  for path, shape in jax.tree_util.tree_leaves_with_path(shapes):
+    keys = tuple(getattr(k, "key", k) for k in path)
+    name = MTP_PREFIX + ".".join(keys)
+    out.append(Leaf(("mtp", *keys), tuple(shape.shape), False, (name,),
+                    lambda a, name=name: {name: contiguous(a)},
+                    lambda get, name=name: contiguous(get(name)), hf={name: tuple(shape.shape)},
+                    optional=True))
   return out
 
 

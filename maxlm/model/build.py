@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxlm.model import loss as loss_lib, sharding
+from maxlm.model import loss as loss_lib, mtp as mtp_lib, sharding
 from maxlm.model.transformer import Decoder, Settings
 
 
@@ -116,7 +116,8 @@ def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0, moe_bias=None):
   sp = model.settings.sparse
   indexed = sp is not None and sp.mode != "dense"
   moe = model.cfg.moe
-  mutable = (["sparse"] if indexed else []) + (["moe"] if moe.experts > 0 else [])
+  mutable = ((["sparse"] if indexed else []) + (["moe"] if moe.experts > 0 else [])
+             + (["mtp"] if model.cfg.mtp.depth else []))
   variables = {"params": params, **({"moe_bias": moe_bias} if moe_bias is not None else {})}
   with nn.logical_axis_rules(sharding.rules_list(rules)):
     result = model.apply(variables, batch["inputs"], batch["positions"],
@@ -124,6 +125,9 @@ def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0, moe_bias=None):
     (h, head, peak), sown = result if mutable else (result, {})
     loss, sums = loss_lib.chunked_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
                                                 chunk=chunk, z_loss=z_loss)
+    if model.cfg.mtp.depth:
+      loss, sums = _with_mtp(loss, sums, sown["mtp"]["hidden"][0], head, batch, chunk,
+                             model.cfg.mtp.weight)
   if indexed:
     extra = sparse_sums(sown["sparse"])
     sums = {**sums, **extra, "total": sums["total"] + sp.kl_weight * extra["indexer_kl_sum"]
@@ -134,6 +138,20 @@ def loss_fn(model, params, batch, rules, *, chunk, z_loss=0.0, moe_bias=None):
     sums = {**sums, "moe": stats, "total": sums["total"] + added * sums["count"]}
     loss = loss + added
   return loss, {**sums, "max_logit": peak}
+
+
+def _with_mtp(loss, sums, h_BxLxD, head_DxV, batch, chunk, weight):
+  """The main loss plus `weight` x the MTP NLL summed over its positions and divided by the
+  main loss's count (so the sum over micro-batches is exact); sums gain `mtp_nll` and
+  `mtp_count` for the metric (maxlm/model/mtp.py)."""
+  targets_BxL, mask_BxL = mtp_lib.targets_and_mask(batch["targets"], batch["loss_mask"],
+                                                   batch["segment_ids"])
+  _, extra = loss_lib.chunked_cross_entropy(h_BxLxD, head_DxV, targets_BxL, mask_BxL,
+                                            chunk=chunk)
+  added = jnp.float32(weight) * extra["total"]
+  return (loss + added / jnp.maximum(sums["count"], 1.0),
+          {**sums, "total": sums["total"] + added, "mtp_nll": extra["nll"],
+           "mtp_count": extra["count"]})
 
 
 def moe_stats(sown):

@@ -4,7 +4,8 @@ Linen rather than NNX: its parameters are a plain pytree that jit shardings, opt
 take as they are, and `nn.scan` stacks the layers so compile time does not grow with depth.
 
 embedding -> n x [RMSNorm -> GQA attention (RoPE on positions) -> RMSNorm -> SwiGLU] -> RMSNorm
-With `model.mhc.streams` N > 0 the residual is N streams, collapsed into each block's input and
+With `model.mtp.depth` 1 one more block predicts the token after next (mtp.py). With
+`model.mhc.streams` N > 0 the residual is N streams, collapsed into each block's input and
 spread back from its output by hyper-connections (mhc.py), and collapsed once more at the end.
 The forward returns the final hidden states and the largest attention logit; the vocabulary
 projection happens inside the chunked loss (`loss`), so [B, L, vocab] is never built whole.
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from maxlm import MaxlmError
-from maxlm.model import layers as layers_lib, mhc, moe, mqa, rope as rope_lib
+from maxlm.model import layers as layers_lib, mhc, moe, mqa, mtp, rope as rope_lib
 from maxlm.model.dense import constrain, dense, init, rms
 from maxlm.model.mlp import Mlp
 from maxlm.model.attention import attention, decode as decode_attention
@@ -258,6 +259,9 @@ class Decoder(nn.Module):
                               name="mhc_head")(streams_BxLxNxD)
     else:
       x_BxLxD, peak = self._layers(x_BxLxD, positions_BxL, segment_ids_BxL, tokens_BxL)
+    if c.mtp.depth and not self.decode:  # computed only where build.loss_fn collects it
+      self.sow("mtp", "hidden", mtp.Mtp(c, self.settings, _block_class(c, False), name="mtp")(
+          x_BxLxD, table_VxD, tokens_BxL, positions_BxL, segment_ids_BxL))
     h_BxLxD = RMSNorm(c.norm_eps, dt, name="final_norm")(x_BxLxD)
     if c.tied_embeddings:
       head_DxV = table_VxD.T
@@ -288,3 +292,15 @@ class Decoder(nn.Module):
           x_BxLxD, *args)
       peak = jnp.maximum(peak, jnp.max(peaks))
     return x_BxLxD, peak
+
+
+def mtp_param_shapes(cfg, rope):
+  """The MTP block's parameters (maxlm/model/mtp.py) as a tree of ShapeDtypeStructs, unboxed;
+  `rope`: any stage's RoPE config (the shapes do not depend on it)."""
+  module = mtp.Mtp(cfg, Settings(rope=rope), _block_class(cfg, False))
+  length = 8
+  h = jax.ShapeDtypeStruct((1, length, cfg.d_model), jnp.float32)
+  table = jax.ShapeDtypeStruct((max(cfg.vocab_size, 1), cfg.d_model), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
+  shapes = jax.eval_shape(lambda *a: module.init(jax.random.key(0), *a), h, table, ids, ids, ids)
+  return nn.meta.unbox(shapes["params"])

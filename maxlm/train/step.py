@@ -41,7 +41,8 @@ def lm_loss(model, rules, model_cfg):
   """The language model's loss over update.make_step: summed NLL (plus z-loss and MoE's
   weighted auxiliary losses) over the loss positions, with the MoE bias held fixed."""
   keys = ("nll", "count", "max_logit") + sparse_stage.sum_keys(model) + (
-      ("moe",) if model_cfg.moe.experts > 0 else ())
+      ("moe",) if model_cfg.moe.experts > 0 else ()) + (
+      ("mtp_nll", "mtp_count") if model_cfg.mtp.depth else ())
 
   def loss(params, bias, micro):
     _, sums = build.loss_fn(model, params, micro, rules, chunk=model_cfg.loss_chunk,
@@ -63,6 +64,8 @@ def make_train_step(model, opt, schedule, rules, model_cfg, grad_accum):
     count = jnp.maximum(sums["count"], 1.0)
     metrics = {"loss": sums["nll"] / count, **common, "loss_tokens": sums["count"],
                **sparse_stage.metrics(sums)}
+    if "mtp_nll" in sums:  # the token after next, in nats, over its own positions
+      metrics["mtp_loss"] = sums["mtp_nll"] / jnp.maximum(sums["mtp_count"], 1.0)
     if moe.experts > 0:
       stats = moe_state.finish(sums["moe"], grad_accum)
       metrics.update(moe_state.metrics(stats, moe_state.layer_names(model_cfg),
