@@ -2,6 +2,7 @@
 before compiling (train/stage.py `validate`), the memory estimate and `maxlm compile` ask.
 
   choose(stage, platform) -> Choice(attention, sparse, grouped, interpret)
+  mqa_block(name, block_q) -> queries per block of V4's attention (0: its dense reference)
 
 `platform` is where the step runs ("cpu", "tpu" or "gpu"), a parameter and never read from jax
 here, so a CPU machine can ask what a TPU slice would run. The attention names a stage may give
@@ -55,6 +56,12 @@ def sparse_impl(sparse, context_parallel):
   if context_parallel:
     return "context"
   return "blocks" if sparse.select == "block" else "tokens"
+
+
+def mqa_block(name, block_q):
+  """Queries per block of DeepSeek-V4's attention (model.mqa, compressed_blocks.py) for a stage
+  whose attention is `name`; 0: the dense reference (compressed.attend), asked for by name."""
+  return 0 if name == "reference" else block_q
 
 
 def grouped_impl(platform):

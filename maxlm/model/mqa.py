@@ -24,7 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from maxlm.model import compressed, rope as rope_lib
+from maxlm.model import compressed, compressed_blocks, rope as rope_lib
 from maxlm.model.dense import dense, init, rms
 
 
@@ -47,17 +47,19 @@ class MqaSpec:
   compress_theta: float = 160000.0
   norm_eps: float = 1e-6
   init_std: float = 0.02
+  block: int = 0  # queries per block (compressed_blocks.py); 0: the dense reference
 
 
-def spec_for(cfg, rate, theta):
+def spec_for(cfg, rate, theta, block=0):
   """The MqaSpec of a layer of ModelConfig `cfg` with compression rate `rate`; `theta`: the
-  stage's RoPE base, which window-only layers use (a stage's RoPE scaling is not applied)."""
+  stage's RoPE base, which window-only layers use (a stage's RoPE scaling is not applied);
+  `block`: queries per block, 0 for the dense reference (impl.mqa_block decides)."""
   q = cfg.mqa
   return MqaSpec(heads=cfg.n_heads, head_dim=cfg.head_dim, rope_dim=q.rope_dim, q_lora=q.q_lora,
                  out_groups=q.out_groups, out_lora=q.out_lora, window=q.window, rate=rate,
                  overlap=rate == q.csa_rate, index_heads=q.index_heads, index_dim=q.index_dim,
                  index_top_k=q.index_top_k, theta=theta, compress_theta=q.compress_theta,
-                 norm_eps=cfg.norm_eps, init_std=cfg.init_std)
+                 norm_eps=cfg.norm_eps, init_std=cfg.init_std, block=block)
 
 
 class Compressor(nn.Module):
@@ -81,7 +83,7 @@ class Compressor(nn.Module):
     at_BxE = compressed.entry_positions(positions_BxL, end_BxE, s.rate)
     entries = compressed.normalize_and_rotate(pooled, scale, s.norm_eps, at_BxE,
                                               s.compress_theta, s.rope_dim)
-    return entries, compressed.visible(segment_ids_BxL, end_BxE, valid_BxE)
+    return entries, end_BxE, valid_BxE
 
 
 class Mqa(nn.Module):
@@ -99,13 +101,24 @@ class Mqa(nn.Module):
     kv = rms(self._dense(s.head_dim, ("embed", "head_dim"), "kv")(x_BxLxD), s.norm_eps,
               self._scale(s.head_dim, "kv_norm"))
     kv_BxLxK = rope_lib.apply_tail(kv, positions_BxL, theta, s.rope_dim)
-    entries_BxExK, mask_BxLxE = self._entries(x_BxLxD, q_low_BxLxQ, positions_BxL,
-                                              segment_ids_BxL)
+    entries_BxExK, end_BxE, valid_BxE, index = self._entries(x_BxLxD, q_low_BxLxQ,
+                                                             positions_BxL, segment_ids_BxL)
     sink_H = self.param("sink", nn.with_logical_partitioning(nn.initializers.zeros,
                                                              ("q_heads",)), (s.heads,),
                         jnp.float32)
-    out = compressed.attend(q_BxLxHxK.astype(dt), kv_BxLxK.astype(dt), entries_BxExK.astype(dt),
-                            mask_BxLxE, segment_ids_BxL, s.window, sink_H)
+    q_BxLxHxK, kv_BxLxK, entries_BxExK = (x.astype(dt) for x in (q_BxLxHxK, kv_BxLxK,
+                                                                  entries_BxExK))
+    if s.block:
+      out = compressed_blocks.attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE, valid_BxE,
+                                     segment_ids_BxL, s.window, sink_H, s.block, index)
+    else:
+      mask_BxLxE = compressed.visible(segment_ids_BxL, end_BxE, valid_BxE)
+      if index is not None:
+        q_idx, w_idx, keys_BxExC, top_k = index
+        mask_BxLxE = compressed.select(compressed.index_scores(q_idx, w_idx, keys_BxExC),
+                                       mask_BxLxE, top_k)
+      out = compressed.attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, mask_BxLxE, segment_ids_BxL,
+                              s.window, sink_H)
     out = rope_lib.apply_tail(out, positions_BxL, theta, s.rope_dim, inverse=True)
     b, length = out.shape[:2]
     grouped = out.reshape(b, length, s.out_groups, s.heads * s.head_dim // s.out_groups)
@@ -116,24 +129,26 @@ class Mqa(nn.Module):
     return self._dense(x_BxLxD.shape[-1], (None, "embed"), "o_b")(low)
 
   def _entries(self, x_BxLxD, q_low_BxLxQ, positions_BxL, segment_ids_BxL):
-    """The compressed entries and which each query attends to (none for a window-only
-    layer)."""
+    """(entries_BxExK, end_BxE, valid_BxE, index): the compressed entries, where each one's
+    window closed, and for CSA the indexer's (queries, head weights, keys, top_k); None for
+    HCA, which attends every visible entry. A window-only layer has no entries."""
     s = self.spec
-    b, length = x_BxLxD.shape[:2]
+    b = x_BxLxD.shape[0]
     if not s.rate:
-      return jnp.zeros((b, 0, s.head_dim)), jnp.zeros((b, length, 0), bool)
-    entries, visible_BxLxE = Compressor(s, s.head_dim, name="compressor")(
+      return (jnp.zeros((b, 0, s.head_dim)), jnp.zeros((b, 0), jnp.int32),
+              jnp.zeros((b, 0), bool), None)
+    entries, end_BxE, valid_BxE = Compressor(s, s.head_dim, name="compressor")(
         x_BxLxD, positions_BxL, segment_ids_BxL)
-    if not s.overlap:  # HCA: every closed entry of the document
-      return entries, visible_BxLxE
-    keys_BxExC, _ = Compressor(s, s.index_dim, name="index_compressor")(
+    if not s.overlap:
+      return entries, end_BxE, valid_BxE, None
+    keys_BxExC, _, _ = Compressor(s, s.index_dim, name="index_compressor")(
         x_BxLxD, positions_BxL, segment_ids_BxL)
     q_BxLxJxC = self._dense((s.index_heads, s.index_dim), (None, None, None), "index_q")(
         q_low_BxLxQ)
     q_BxLxJxC = rope_lib.apply_tail(q_BxLxJxC, positions_BxL, s.compress_theta, s.rope_dim)
     w_BxLxJ = self._dense(s.index_heads, ("embed", None), "index_weights")(x_BxLxD)
-    scores = compressed.index_scores(q_BxLxJxC, w_BxLxJ * s.index_heads ** -0.5, keys_BxExC)
-    return entries, compressed.select(scores, visible_BxLxE, s.index_top_k)
+    index = (q_BxLxJxC, w_BxLxJ * s.index_heads ** -0.5, keys_BxExC, s.index_top_k)
+    return entries, end_BxE, valid_BxE, index
 
   def _dense(self, features, names, name):
     return dense(features, -1, names, self.spec.init_std, self.dtype, name)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from maxlm import MaxlmError
-from maxlm.model import layers as layers_lib, mhc, moe, mqa, mtp, rope as rope_lib
+from maxlm.model import impl as impl_lib, layers as layers_lib, mhc, moe, mqa, mtp
+from maxlm.model import rope as rope_lib
 from maxlm.model.dense import constrain, dense, init, rms
 from maxlm.model.mlp import Mlp
 from maxlm.model.attention import attention, decode as decode_attention
@@ -192,7 +193,9 @@ class Block(nn.Module):
       raise MaxlmError("the decoder's key-value cache does not hold DeepSeek-V4's compressed "
                        "entries (model.mqa): sample it with eval/sample.py, which reruns the "
                        "forward per token")
-    spec = mqa.spec_for(c, self.spec.compress, self.settings.rope.theta)
+    s = self.settings
+    block = impl_lib.mqa_block(s.impl, s.block_q)
+    spec = mqa.spec_for(c, self.spec.compress, s.rope.theta, block)
     out = mqa.Mqa(spec, jnp.dtype(c.dtype), name="attention")(x_BxLxD, positions_BxL,
                                                               segment_ids_BxL)
     return out, jnp.float32(jnp.nan)

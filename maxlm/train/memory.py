@@ -107,7 +107,8 @@ def estimate(config, s, n_devices, vocab, platform=None):
   scores = rows * h * length * stage.seq_len * 4 if impl == "reference" and shape[
       "context"] == 1 else 0
   if m.mqa.enabled:
-    scores = _mqa_scores(m, rows, h, length, stage.seq_len)
+    scores = _mqa_scores(m, rows, h, length, stage.seq_len,
+                         impl_lib.mqa_block(stage.attention, stage.block_q))
   kv = zigzag = 0
   if shape["context"] > 1:  # K and V all-gathered; q, k, v and the output (and their
     kv = 2 * rows * stage.seq_len * k * hd * cdt  # gradients) permuted at full length
@@ -129,12 +130,22 @@ def estimate(config, s, n_devices, vocab, platform=None):
   return {**parts, "state": state, "total": state + parts["activations"] + peak}
 
 
-def _mqa_scores(m, rows, h, length, seq_len):
-  """DeepSeek-V4's attention (model.mqa) is a dense reference for now: float32 scores over the
-  window's tokens and the entries, [rows, h, L, L + L / m] for the smallest rate m, in
-  MQA_SCORE_COPIES copies."""
-  rates = [r for r in m.mqa.compress if r] or [seq_len + 1]
-  return MQA_SCORE_COPIES * rows * h * length * (seq_len + seq_len // min(rates)) * 4
+def _mqa_scores(m, rows, h, length, seq_len, block):
+  """Float32 scores of DeepSeek-V4's attention (model.mqa), in MQA_SCORE_COPIES copies. The
+  dense reference (block 0): [rows, h, L, L + L / m] for the smallest rate m. By blocks
+  (compressed_blocks.py), whose per-block scores the backward keeps for every block: [rows, h,
+  L, b + W - 1 + the most entries a layer attends (CSA's top k, HCA's L / m')], plus a CSA
+  layer's indexer scores over its entries, [rows, L, index_heads, L / m]."""
+  q = m.mqa
+  rates = [r for r in q.compress if r] or [seq_len + 1]
+  if not block:
+    return MQA_SCORE_COPIES * rows * h * length * (seq_len + seq_len // min(rates)) * 4
+  entries = max([min(q.index_top_k, seq_len // r) if r == q.csa_rate else seq_len // r
+                 for r in rates if r <= seq_len] or [0])
+  keys = min(block, seq_len) + q.window - 1 + entries
+  index = rows * length * q.index_heads * (seq_len // q.csa_rate) * 4 if q.csa_rate in rates \
+      else 0
+  return MQA_SCORE_COPIES * rows * h * length * keys * 4 + index
 
 
 def _streams_saved(m, d):
