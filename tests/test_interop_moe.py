@@ -9,6 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from interop_helpers import checkpoint_state, flat, load_back
 from safetensors.numpy import load_file, save_file
 
 from maxlm import MaxlmError, config as config_lib
@@ -50,9 +51,6 @@ def _random(name, **model):
   return config, m, params, bias
 
 
-def _flat(tree):
-  return {jax.tree_util.keystr(p): np.asarray(x)
-          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def test_families_pick_the_class_and_refuse_in_one_line():
@@ -99,25 +97,16 @@ def test_export_then_import_is_bitwise(name, tmp_path):
   hf = json.loads((tmp_path / "config.json").read_text())
   assert hf["model_type"] == CASES[name][1]
   assert hf["architectures"] == [families.CLASSES[CASES[name][1]]]
-  loaded = _load(config, tmp_path, params, bias)
-  want, got = _flat(params), _flat(loaded[0])
+  loaded = load_back(config, tmp_path, params, bias)
+  want, got = flat(params), flat(loaded[0])
   assert want.keys() == got.keys()
   for key in want:
     assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), key
   if bias is not None:
-    for key, value in _flat(bias).items():
-      assert np.array_equal(_flat(loaded[1])[key], value), key
+    for key, value in flat(bias).items():
+      assert np.array_equal(flat(loaded[1])[key], value), key
 
 
-def _load(config, folder, params, bias, **model):
-  cfg = dataclasses.replace(config.model, **model)
-  raw = config_lib.to_dict(config)
-  raw["model"] = {**raw["model"], **{k: v for k, v in model.items()}}
-  raw["init"] = {"from": str(folder)}
-  source = load.open_source(config_lib.from_dict(raw), cfg.vocab_size, None, log=lambda _: 0)
-  shaped = jax.tree_util.tree_map(np.asarray, params)
-  return (load.params(source, cfg, shaped),
-          None if bias is None else load.moe_bias(source, cfg, bias))
 
 
 def test_moe_export_refusals_and_import_checks(tmp_path):
@@ -136,12 +125,12 @@ def test_moe_export_refusals_and_import_checks(tmp_path):
   folder = tmp_path / "qwen"
   folder.mkdir()
   parity.random_folder(folder, config, params, bias)
-  _load(config, folder, params, bias)
+  load_back(config, folder, params, bias)
   weights = load_file(str(folder / "model.safetensors"))
   weights["model.layers.1.mlp.shared_expert_gate.weight"][0, 3] = 0.5
   save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(MaxlmError, match="shared_expert_gate.weight is not 0") as e:
-    _load(config, folder, params, bias)
+    load_back(config, folder, params, bias)
   assert "\n" not in str(e.value)
   # another layer plan than the folder's is named by its key
   for model, key in (({"attention": {"window": 6, "global_every": 2}},
@@ -152,12 +141,12 @@ def test_moe_export_refusals_and_import_checks(tmp_path):
                       "model.moe.first_dense / every")):
     other = _config({**CASES["moe_window"][0], **model})
     with pytest.raises(MaxlmError) as e:
-      _load(other, folder, params, bias)
+      load_back(other, folder, params, bias)
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
   # a sigmoid model reads GLM-4-MoE folders, not Qwen2-MoE ones
   other = _config({"moe": {**MOE, "score": "sigmoid"}})
   with pytest.raises(MaxlmError, match="reads Glm4MoeForCausalLM folders"):
-    _load(other, folder, params, bias)
+    load_back(other, folder, params, bias)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -227,12 +216,6 @@ def trained(tmp_path_factory, demo_data):
   return out
 
 
-def _checkpoint_state(run_dir, step):
-  import os
-  import orbax.checkpoint as ocp
-  state = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step),
-                                                        "state"))
-  return jax.tree_util.tree_map(np.asarray, state)
 
 
 @pytest.mark.parametrize("name", list(TRAINED))
@@ -241,20 +224,20 @@ def test_trained_run_exports_and_imports_bit_for_bit(trained, name, tmp_path):
   tmp, cfg = trained[name]
   out = tmp_path / "hf"
   export.export(cfg.run_dir, str(out), log=lambda _: 0)
-  state = _checkpoint_state(cfg.run_dir, 3)
+  state = checkpoint_state(cfg.run_dir, 3)
   vocab = json.loads((out / "config.json").read_text())["vocab_size"]
   model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
   raw = {**config_lib.to_dict(cfg), "init": {"from": str(out)}}
   source = load.open_source(config_lib.from_dict(raw), vocab, None, log=lambda _: 0)
-  got = _flat(load.params(source, model_cfg, state["params"]))
-  want = _flat(state["params"])
+  got = flat(load.params(source, model_cfg, state["params"]))
+  want = flat(state["params"])
   assert got.keys() == want.keys() and any("group_" in k for k in want)
   for key in want:
     assert np.array_equal(got[key], want[key]), key
   bias = load.moe_bias(source, model_cfg, state["moe_bias"])
-  for key, value in _flat(state["moe_bias"]).items():
-    assert np.array_equal(_flat(bias)[key], value), key
-  moved = any(np.any(v != 0) for v in _flat(state["moe_bias"]).values())
+  for key, value in flat(state["moe_bias"]).items():
+    assert np.array_equal(flat(bias)[key], value), key
+  moved = any(np.any(v != 0) for v in flat(state["moe_bias"]).values())
   assert moved == (name == "sigmoid_bias")
   _needs_transformers()  # and the export means what the run trained
   from maxlm.model import build
@@ -296,8 +279,8 @@ def test_training_from_an_moe_export_starts_from_its_bias(trained, tmp_path):
   lines = []
   loop.train(config_lib.from_dict(raw), stop_after=1, log=lines.append)
   assert any(f"parameters from init.from {out} (hf)" in line for line in lines)
-  before = _flat(_checkpoint_state(cfg.run_dir, 3)["moe_bias"])
-  after = _flat(_checkpoint_state(str(tmp_path / "sft"), 1)["moe_bias"])
+  before = flat(checkpoint_state(cfg.run_dir, 3)["moe_bias"])
+  after = flat(checkpoint_state(str(tmp_path / "sft"), 1)["moe_bias"])
   assert before.keys() == after.keys() and any(np.any(v != 0) for v in before.values())
   for key, value in before.items():
     assert np.array_equal(after[key], value), key
@@ -315,6 +298,6 @@ def test_bfloat16_export_keeps_the_router_and_its_bias_float32(trained, tmp_path
   assert kinds["model.layers.1.mlp.experts.0.down_proj.weight"] == ml_dtypes.bfloat16
   assert kinds["model.layers.0.mlp.down_proj.weight"] == ml_dtypes.bfloat16
   from maxlm.model import layers
-  layer_1 = layers.per_layer(_checkpoint_state(cfg.run_dir, 3)["params"], cfg.model)[1]
+  layer_1 = layers.per_layer(checkpoint_state(cfg.run_dir, 3)["params"], cfg.model)[1]
   assert np.array_equal(weights["model.layers.1.mlp.gate.weight"],
                         layer_1["moe"]["router"]["kernel"].T)

@@ -9,6 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from interop_helpers import checkpoint_state, flat, load_back
 from safetensors.numpy import load_file, save_file
 
 from maxlm import MaxlmError, config as config_lib
@@ -46,9 +47,6 @@ def _random(name, **model):
   return config, m, params, bias
 
 
-def _flat(tree):
-  return {jax.tree_util.keystr(p): np.asarray(x)
-          for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -84,15 +82,15 @@ def test_logits_equal_transformers_and_import_is_bitwise(name, tmp_path):
   packed = [rng.integers(0, 256, 23).tolist(), rng.integers(0, 256, 41).tolist()]
   assert parity.max_difference(m, params, tmp_path, one, 64, bias) < 1e-4
   assert parity.max_difference(m, params, tmp_path, packed, 64, bias) < 1e-4
-  loaded_params, loaded_bias = _load(config, tmp_path, params, bias)
-  want, got = _flat(params), _flat(loaded_params)
+  loaded_params, loaded_bias = load_back(config, tmp_path, params, bias)
+  want, got = flat(params), flat(loaded_params)
   assert want.keys() == got.keys()
   for key in want:
     assert np.array_equal(got[key], want[key]), key
   if bias is not None:
-    for key, value in _flat(bias).items():  # a hash layer's unused bias reads back as 0
+    for key, value in flat(bias).items():  # a hash layer's unused bias reads back as 0
       expected = 0 * value if _hashed_bias(config, key) else value
-      assert np.array_equal(_flat(loaded_bias)[key], expected), key
+      assert np.array_equal(flat(loaded_bias)[key], expected), key
 
 
 def test_batched_greedy_sampling_equals_transformers_generate(tmp_path):
@@ -124,15 +122,6 @@ def _hashed_bias(config, key):
              for leaf in layout.leaves(config.model, biased=True))
 
 
-def _load(config, folder, params, bias, **model):
-  cfg = dataclasses.replace(config.model, **model)
-  raw = config_lib.to_dict(config)
-  raw["model"] = {**raw["model"], **model}
-  raw["init"] = {"from": str(folder)}
-  source = load.open_source(config_lib.from_dict(raw), cfg.vocab_size, None, log=lambda _: 0)
-  shaped = jax.tree_util.tree_map(np.asarray, params)
-  return (load.params(source, cfg, shaped),
-          None if bias is None else load.moe_bias(source, cfg, bias))
 
 
 def test_what_the_class_cannot_hold_is_refused_in_one_line():
@@ -155,14 +144,14 @@ def test_import_names_the_key_that_differs_and_checks_the_hash_table(tmp_path):
                      ({"moe": {**MOE, "hash_layers": 2}}, "model.moe.hash_layers")):
     other = _config("csa_hca_hash", **model)
     with pytest.raises(MaxlmError) as e:
-      _load(other, tmp_path, params, bias)
+      load_back(other, tmp_path, params, bias)
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
   weights = load_file(str(tmp_path / "model.safetensors"))
   table = weights["model.layers.0.ffn.gate.tid2eid"]
   table[5] = table[5][::-1] + 1
   save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
   with pytest.raises(MaxlmError, match="hash layer sends tokens to other experts"):
-    _load(config, tmp_path, params, bias)
+    load_back(config, tmp_path, params, bias)
 
 
 def test_a_trained_v4_run_exports_loads_in_transformers_and_generates_alike(demo_data, tmp_path,
@@ -193,26 +182,20 @@ def test_a_trained_v4_run_exports_loads_in_transformers_and_generates_alike(demo
   sp = tok_lib.load((demo_data / "tokenizer.model").read_bytes())  # what generate decodes with
   theirs = prompt + sp.decode(out[0, ids.shape[1]:].tolist())
   assert ours == theirs.strip() and len(ours) > len(prompt)
-  state = _checkpoint_state(cfg.run_dir, 3)
+  state = checkpoint_state(cfg.run_dir, 3)
   vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
   model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
   raw = {**config_lib.to_dict(cfg), "init": {"from": str(tmp_path / "hf")}}
   source = load.open_source(config_lib.from_dict(raw), vocab, None, log=lambda _: 0)
   for got, want in ((load.params(source, model_cfg, state["params"]), state["params"]),
                     (load.moe_bias(source, model_cfg, state["moe_bias"]), state["moe_bias"])):
-    got, want = _flat(got), _flat(want)
+    got, want = flat(got), flat(want)
     for key in want:
       expected = 0 * want[key] if _hashed_bias(cfg, key) else want[key]
       assert np.array_equal(got[key], expected), key
-  assert any(np.any(v != 0) for v in _flat(state["moe_bias"]).values())
+  assert any(np.any(v != 0) for v in flat(state["moe_bias"]).values())
 
 
-def _checkpoint_state(run_dir, step):
-  import os
-  import orbax.checkpoint as ocp
-  state = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step),
-                                                        "state"))
-  return jax.tree_util.tree_map(np.asarray, state)
 
 
 def test_an_mtp_block_is_exported_only_to_v4_and_otherwise_starts_afresh(tmp_path):
@@ -225,7 +208,7 @@ def test_an_mtp_block_is_exported_only_to_v4_and_otherwise_starts_afresh(tmp_pat
   parity.random_folder(tmp_path / "v4", config, params, bias)
   assert any(n.startswith("mtp.0.") for n in load_file(str(tmp_path / "v4" /
                                                            "model.safetensors")))
-  loaded, _ = _load(config, tmp_path / "v4", params, bias)
+  loaded, _ = load_back(config, tmp_path / "v4", params, bias)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded["mtp"]),
                                                   jax.tree.leaves(params["mtp"])))
   llama = parity.config_for({"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_moe_train import ensure_data, summary  # noqa: E402

@@ -64,6 +64,14 @@ def mqa_block(name, block_q):
   return 0 if name == "reference" else block_q
 
 
+def attention_name(model_cfg, stage, choice):
+  """What a report calls the attention a stage runs: `choice.attention`, or for DeepSeek-V4's
+  attention (model.mqa) mqa_blocks / mqa_reference."""
+  if not model_cfg.mqa.enabled:
+    return choice.attention
+  return "mqa_blocks" if mqa_block(stage.attention, stage.block_q) else "mqa_reference"
+
+
 def grouped_impl(platform):
   """MoE's grouped matmul (maxlm/model/grouped.py) on `platform`."""
   return {"tpu": "megablox", "cpu": "tiled", "gpu": "ragged_dot_tiles"}[platform]

@@ -21,7 +21,6 @@ One place decides a layer's kind, for the model, the FLOP count and interop alik
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 

@@ -96,7 +96,9 @@ class Mqa(nn.Module):
     theta = s.compress_theta if s.rate else s.theta
     q_low_BxLxQ = rms(self._dense(s.q_lora, ("embed", None), "q_a")(x_BxLxD), s.norm_eps,
                        self._scale(s.q_lora, "q_a_norm"))
-    q = self._dense((s.heads, s.head_dim), (None, "q_heads", "head_dim"), "q_b")(q_low_BxLxQ)
+    # the low-rank and per-group input axes are split like `embed` (over fsdp), so no large
+    # kernel is replicated on every device
+    q = self._dense((s.heads, s.head_dim), ("embed", "q_heads", "head_dim"), "q_b")(q_low_BxLxQ)
     q_BxLxHxK = rope_lib.apply_tail(rms(q, s.norm_eps), positions_BxL, theta, s.rope_dim)
     kv = rms(self._dense(s.head_dim, ("embed", "head_dim"), "kv")(x_BxLxD), s.norm_eps,
               self._scale(s.head_dim, "kv_norm"))
@@ -123,7 +125,7 @@ class Mqa(nn.Module):
     b, length = out.shape[:2]
     grouped = out.reshape(b, length, s.out_groups, s.heads * s.head_dim // s.out_groups)
     w_a = self.param("o_a", nn.with_logical_partitioning(init(s.init_std),
-                                                         ("mqa_group", None, None)),
+                                                         ("mqa_group", "embed", None)),
                      (s.out_groups, grouped.shape[-1], s.out_lora), jnp.float32)
     low = jnp.einsum("blgi,gio->blgo", grouped, w_a.astype(dt)).reshape(b, length, -1)
     return self._dense(x_BxLxD.shape[-1], (None, "embed"), "o_b")(low)
@@ -143,7 +145,7 @@ class Mqa(nn.Module):
       return entries, end_BxE, valid_BxE, None
     keys_BxExC, _, _ = Compressor(s, s.index_dim, name="index_compressor")(
         x_BxLxD, positions_BxL, segment_ids_BxL)
-    q_BxLxJxC = self._dense((s.index_heads, s.index_dim), (None, None, None), "index_q")(
+    q_BxLxJxC = self._dense((s.index_heads, s.index_dim), ("embed", None, None), "index_q")(
         q_low_BxLxQ)
     q_BxLxJxC = rope_lib.apply_tail(q_BxLxJxC, positions_BxL, s.compress_theta, s.rope_dim)
     w_BxLxJ = self._dense(s.index_heads, ("embed", None), "index_weights")(x_BxLxD)
