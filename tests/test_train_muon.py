@@ -5,11 +5,12 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from maxlm import config
 from maxlm.train import muon, optimizer
 
-D, F, H, K = 8, 12, 2, 4
+D, F, H, K = 8, 12, 2, 4  # D splits over 8 devices
 
 
 @pytest.mark.parametrize("names, expected", [
@@ -43,10 +44,13 @@ def _orthogonalize(x_2d):
   return x.T if flip else x
 
 
-def test_first_update_equals_the_algorithm_written_out():
+@pytest.mark.parametrize("spread", [False, True], ids=["in-place", "spread-over-8"])
+def test_first_update_equals_the_algorithm_written_out(spread):
   """Muon on a stacked [layers, D, F] matrix and an attention output [layers, H, K, D]: Nesterov
   momentum (optax's bias-corrected form), the hybrid iteration per layer, RMS matched to AdamW,
-  decay, the learning rate; AdamW, unchanged, on the embedding and a norm."""
+  decay, the learning rate; AdamW, unchanged, on the embedding and a norm. Spread: the stage's
+  mesh of 8 devices, the parameters split over fsdp, each matrix orthogonalised on one device
+  (2 layers padded to 8 matrices)."""
   train = config.from_dict({"train": {"optimizer": "muon", "lr": 0.01, "warmup_steps": 0,
                                       "weight_decay": 0.1},
                             "stages": [{"seq_len": 8, "batch": 1, "steps": 4}]}).train
@@ -56,7 +60,15 @@ def test_first_update_equals_the_algorithm_written_out():
   shapes = {"embedding": (16, D), "norm": (2, D), "mlp": (2, D, F), "out": (2, H, K, D)}
   params = {k: jax.random.normal(keys[i], s) for i, (k, s) in enumerate(shapes.items())}
   grads = {k: jax.random.normal(keys[4 + i], s) for i, (k, s) in enumerate(shapes.items())}
-  opt, schedule = optimizer.make(train, 4, names)
+  mesh = None
+  if spread:
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    at = {"embedding": P(None, "fsdp"), "norm": P(None, "fsdp"), "mlp": P(None, "fsdp"),
+          "out": P(None, None, None, "fsdp")}
+    params, grads = ({k: jax.device_put(v, NamedSharding(mesh, at[k])) for k, v in t.items()}
+                     for t in (params, grads))
+  opt, schedule = optimizer.make(train, 4, names, mesh)
   updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
   clipped = optax.clip_by_global_norm(train.clip).update(grads, None)[0]
   beta, lr = train.muon_momentum, float(schedule(0))
@@ -86,3 +98,25 @@ def test_muon_needs_the_names_and_the_config_checks_its_keys():
                        ({"muon_momentum": 1.0}, "muon_momentum")):
     with pytest.raises(config.ConfigError, match=message):
       config.from_dict({"train": bad, "stages": [{"seq_len": 8, "batch": 1, "steps": 4}]})
+
+
+def test_spread_orthogonalises_whole_matrices_one_device_each():
+  """16 stacked [64, 32] matrices split over 8 devices along their rows: in place each device
+  iterates all 16 on a slice of each (the compiler's dots are [16, ...]); spread, 2 whole
+  matrices each ([2, ...]), with a fraction of the temporaries."""
+  import re
+  mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (16, 64, 32)),
+                     NamedSharding(mesh, P(None, "fsdp")))
+  dims = optax.contrib.MuonDimensionNumbers((1,), (2,))
+  coeffs = np.asarray(muon.V4_COEFFICIENTS)
+  compiled = {m is not None: jax.jit(lambda x, m=m: muon.orthogonalize(x, dims, coeffs, m))
+              .lower(x).compile() for m in (None, mesh)}
+  batches = {k: {int(b) for b in re.findall(r"f32\[(\d+),\d+,\d+\]\{[0-9,]+\} dot\(",
+                                            c.as_text())} for k, c in compiled.items()}
+  assert batches == {False: {16}, True: {2}}
+  temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+  assert temps[True] * 3 < temps[False]
+  np.testing.assert_allclose(*(jax.jit(lambda x, m=m: muon.orthogonalize(x, dims, coeffs, m))(x)
+                               for m in (None, mesh)), atol=1e-5)

@@ -54,9 +54,10 @@ def decay_mask(params, decay_embeddings):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make(train, total_steps, names=None):
+def make(train, total_steps, names=None, mesh=None):
   """(optax transformation, lr schedule). `names`: the params-shaped tree of logical axis names
-  (build.param_names), which `train.optimizer: muon` splits the parameters by."""
+  (build.param_names), which `train.optimizer: muon` splits the parameters by; `mesh`: the
+  stage's, over whose devices Muon spreads its matrices."""
   schedule = lr_schedule(train, total_steps)
   adamw = optax.adamw(schedule, b1=train.b1, b2=train.b2, eps=train.eps,
                       weight_decay=train.weight_decay,
@@ -64,5 +65,5 @@ def make(train, total_steps, names=None):
   if train.optimizer == "muon":
     if names is None:
       raise ValueError("train.optimizer muon needs the parameters' logical names")
-    adamw = muon.transform(train, schedule, adamw, names)
+    adamw = muon.transform(train, schedule, adamw, names, mesh)
   return optax.chain(optax.clip_by_global_norm(train.clip), adamw), schedule

@@ -121,7 +121,7 @@ def unjitted(config, s, vocab, devices=None, platform=None):
   mesh = mesh_lib.make_mesh(stage.mesh, *([devices] if devices is not None else []))
   model = build.model_for(config, s, mesh, vocab, platform)
   opt, lr = optimizer.make(config.train, schedule.Schedule(config).total,
-                           build.param_names(model, stage.seq_len))
+                           build.param_names(model, stage.seq_len), mesh)
   step = train_step(config, s, model, opt, lr)
   return mesh, model, opt, step, state_shardings(model, opt, mesh, config.rules, stage.seq_len)
 
