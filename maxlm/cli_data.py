@@ -333,7 +333,7 @@ def cmd_ledger(args):
   cfg, data = _open_data(args)
   led = ledger.ledger(data.planner)
   for stage, entry in zip(cfg.stages, led["stages"]):
-    entry["attention"] = attention_mode(stage)
+    entry["attention"] = attention_mode(stage, cfg.model.mqa)
   if args.json:
     print(json.dumps(led))
   else:
@@ -343,9 +343,14 @@ def cmd_ledger(args):
         f"{names[i]} {e['attention']}" for i, e in enumerate(led["stages"])))
 
 
-def attention_mode(stage):
-  """How a stage attends: dense, the indexer's warm-up, or sparse top-k (its selection)."""
+def attention_mode(stage, mqa):
+  """How a stage attends: dense, the indexer's warm-up, or sparse top-k (its selection); for
+  DeepSeek-V4's attention (`mqa`), what its CSA layers attend."""
   sp = stage.sparse
+  if mqa.enabled:
+    entries = {"dense": "every entry", "indexer_warmup": "every entry, the indexer warming up "
+               "(main model frozen)", "sparse": f"the indexer's top-{mqa.index_top_k} entries"}
+    return f"V4 window + entries; CSA: {entries[sp.mode]}"
   if sp.mode == "dense":
     return "dense"
   indexer = f"indexer {sp.indexer_heads}x{sp.indexer_dim}"

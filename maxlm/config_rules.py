@@ -33,10 +33,11 @@ def _mqa_refusal(config, sparse):
   """What DeepSeek-V4's attention (model.mqa) cannot be combined with yet, or None."""
   if not config.model.mqa.enabled:
     return None
-  if sparse:
+  mqa = config.model.mqa
+  if sparse and mqa.csa_rate not in mqa.compress:
     return (f"stages.{sparse[0]}.sparse.mode={config.stages[sparse[0]].sparse.mode} with "
-            "model.mqa: V4's attention has its own indexer (model.mqa.compress with csa_rate); "
-            "keep the stages dense")
+            "model.mqa: only CSA layers have an indexer, and model.mqa.compress names none "
+            f"(add csa_rate={mqa.csa_rate})")
   if config.model.attention.window:
     return ("model.attention.window with model.mqa: V4's attention has its own window "
             "(model.mqa.window); set model.attention.window=0")

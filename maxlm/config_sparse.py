@@ -11,7 +11,8 @@ SPARSE_MODES = ("dense", "indexer_warmup", "sparse")
 
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
-  """DeepSeek sparse attention for one stage (maxlm/model/attention/sparse.py)."""
+  """DeepSeek sparse attention for one stage (maxlm/model/attention/sparse.py). With model.mqa
+  only `mode` and `kl_weight` apply, to CSA's indexer (maxlm/model/mqa.py)."""
   mode: str = "dense"  # dense | indexer_warmup (main frozen, indexer learns) | sparse
   topk: int = 2048  # >= 1; keys each query attends to in sparse mode
   indexer_heads: int = 4  # in [1, 64]; same in every non-dense stage

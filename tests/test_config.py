@@ -274,7 +274,7 @@ def test_binary_or_bom_files_and_yaml_1_1_integers(tmp_path):
     (["model.mhc.streams=17"], "model.mhc.streams: expected an integer in [0, 16]"),
     (["train.optimizer=sgd"], "train.optimizer: expected adamw or muon"),
     (["model.mqa.q_lora=32", "model.mqa.out_groups=2", "stages.0.sparse.mode=indexer_warmup"],
-     "with model.mqa: V4's attention has its own indexer"),
+     "only CSA layers have an indexer, and model.mqa.compress names none"),
     (["model.mqa.q_lora=32", "model.mqa.out_groups=2", "model.mqa.compress=[4, 3]"],
      "model.mqa.compress: 3 is none of 0, csa_rate=4, hca_rate=128"),
     (["model.mqa.q_lora=32", "model.mqa.out_groups=3"],

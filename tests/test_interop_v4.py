@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 from maxlm import MaxlmError, config as config_lib
 from maxlm.data import tokenizer as tok_lib
 from maxlm.interop import families, hf_config, layout, load, parity, tensor_map
+from maxlm.train import metrics
 
 MQA = {"q_lora": 12, "rope_dim": 8, "out_groups": 2, "out_lora": 6, "window": 5,
        "csa_rate": 4, "hca_rate": 8, "index_heads": 8, "index_dim": 8, "index_top_k": 3}
@@ -33,7 +34,8 @@ def _config(name, **model):
   keys = {"d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 1, "head_dim": 16,
           "d_ff": 48, "mqa": {**MQA, "compress": compress}, "mhc": {"streams": 4},
           "moe": {**MOE, "hash_layers": hashed, "balance": balance}}
-  return parity.config_for({**keys, **model}, [STAGE])
+  mode = "sparse" if MQA["csa_rate"] in compress else "dense"  # CSA's top k, as transformers
+  return parity.config_for({**keys, **model}, [{**STAGE, "sparse": {"mode": mode}}])
 
 
 def _random(name, **model):
@@ -154,21 +156,51 @@ def test_import_names_the_key_that_differs_and_checks_the_hash_table(tmp_path):
     load_back(config, tmp_path, params, bias)
 
 
-def test_a_trained_v4_run_exports_loads_in_transformers_and_generates_alike(demo_data, tmp_path,
-                                                                            here):
-  """configs/v4_tiny.yaml shrunk, trained 3 steps with Muon and a moving bias: `maxlm export`
-  writes a folder transformers loads, its greedy continuation is `maxlm generate`'s, and
-  `init.from` reads the export back bit for bit."""
+@pytest.fixture(scope="module")
+def v4_run(demo_data, tmp_path_factory):
+  """configs/v4_tiny.yaml shrunk, trained with Muon and a moving bias through its CSA
+  indexer's stages: dense (1 step), indexer_warmup (4), sparse (1); a checkpoint at the end of
+  each."""
+  from maxlm.train import loop
+  cfg = config_lib.load("configs/v4_tiny.yaml", [
+      f"data.dir={demo_data}", f"run_dir={tmp_path_factory.mktemp('v4') / 'run'}",
+      "model.n_layers=2", "model.d_model=64", "model.moe.experts=4", "model.moe.d_ff=64",
+      "model.mqa.compress=[4, 32]", "model.mqa.index_top_k=8", "train.checkpoint_every=100",
+      "train.eval_every=0", "train.warmup_steps=0",
+      "stages=[{seq_len: 64, batch: 8, steps: 1}, {seq_len: 64, batch: 8, steps: 4, sparse: "
+      "{mode: indexer_warmup}}, {seq_len: 64, batch: 8, steps: 1, sparse: {mode: sparse}}]"])
+  for stop in (1, 4, 1):
+    loop.train(cfg, stop_after=stop, log=lambda _: 0)
+  return cfg
+
+
+def test_the_csa_indexer_warms_up_alone_then_selects(v4_run):
+  """CSA's indexer (maxlm/model/mqa.py) reports nothing while dense; in warm-up it reports its
+  KL to the heads' attention and it alone moves: every other parameter (Muon's and AdamW's
+  halves alike) is bit for bit the dense stage's; sparse, a query attends at most its top 8
+  entries. (That the KL's gradient lowers it: tests/test_model_compressed_blocks.py.)"""
+  rows = metrics.read_jsonl(v4_run.run_dir)
+  assert [r["stage"] for r in rows] == [0, 1, 1, 1, 1, 2]
+  assert "indexer_kl" not in rows[0]
+  warm, sparse = rows[1:5], rows[5]
+  assert all(0 < r["indexer_kl"] < 10 for r in warm) and 0 < sparse["indexer_kl"] < 10
+  assert all(r["selected_keys"] > 0 for r in warm) and 0 < sparse["selected_keys"] <= 8
+  dense_end, warm_end = (flat(checkpoint_state(v4_run.run_dir, s)["params"]) for s in (1, 5))
+  indexer = {k for k in dense_end
+             if any(n in k for n in ("index_q", "index_weights", "index_compressor"))}
+  assert indexer and all(not np.array_equal(dense_end[k], warm_end[k]) for k in indexer)
+  for key in set(dense_end) - indexer:
+    np.testing.assert_array_equal(dense_end[key], warm_end[key], err_msg=key)
+
+
+def test_a_trained_v4_run_exports_loads_in_transformers_and_generates_alike(v4_run, demo_data,
+                                                                            tmp_path, here):
+  """The run above: `maxlm export` writes a folder transformers loads, its greedy continuation
+  is `maxlm generate`'s, and `init.from` reads the export back bit for bit."""
   pytest.importorskip("torch", reason="torch not installed (pip install -e '.[hf]')")
   transformers = pytest.importorskip("transformers")
   import torch
-  from maxlm.train import loop
-  cfg = config_lib.load("configs/v4_tiny.yaml", [
-      f"data.dir={demo_data}", f"run_dir={tmp_path / 'run'}", "model.n_layers=2",
-      "model.d_model=64", "model.moe.experts=4", "model.moe.d_ff=64",
-      "model.mqa.compress=[4, 32]", "train.checkpoint_every=3", "train.eval_every=0",
-      "stages=[{seq_len: 64, batch: 8, steps: 3}]"])
-  loop.train(cfg, log=lambda _: 0)
+  cfg = v4_run
   here("export", cfg.run_dir, "--out", tmp_path / "hf")
   prompt = "The river"
   ours = here("generate", cfg.run_dir, "--prompt", prompt, "--temperature", "0",
@@ -182,7 +214,7 @@ def test_a_trained_v4_run_exports_loads_in_transformers_and_generates_alike(demo
   sp = tok_lib.load((demo_data / "tokenizer.model").read_bytes())  # what generate decodes with
   theirs = prompt + sp.decode(out[0, ids.shape[1]:].tolist())
   assert ours == theirs.strip() and len(ours) > len(prompt)
-  state = checkpoint_state(cfg.run_dir, 3)
+  state = checkpoint_state(cfg.run_dir, 6)
   vocab = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
   model_cfg = dataclasses.replace(cfg.model, vocab_size=vocab)
   raw = {**config_lib.to_dict(cfg), "init": {"from": str(tmp_path / "hf")}}

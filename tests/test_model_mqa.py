@@ -108,17 +108,20 @@ def test_a_packed_row_equals_each_document_alone(kind):
   assert np.all(packed[0, at:] == 0)  # padding attends to the sink alone
 
 
-def test_a_v4_decoder_changes_no_other_documents_loss_or_gradient():
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_a_v4_decoder_changes_no_other_documents_loss_or_gradient(mode):
   """configs/v4_tiny.yaml's model (V4 attention with CSA and HCA layers, 4 streams, hash and
   learned routing), shrunk: rewriting the middle document of a packed row leaves the other
-  documents' loss and its gradient unchanged to 1e-6."""
+  documents' loss and its gradient unchanged to 1e-6, with CSA over every entry (dense) or
+  over its indexer's top 3 (sparse)."""
   from maxlm import config
   from maxlm.model import build
   from maxlm.parallel import mesh as mesh_lib
   cfg = config.load("configs/v4_tiny.yaml", [
       "model.vocab_size=64", "model.n_layers=2", "model.mqa.compress=[4, 8]",
       "model.mqa.hca_rate=8", "model.mqa.window=6", "model.moe.experts=4",
-      "stages.0.seq_len=40", "stages.0.batch=1"])
+      "model.mqa.index_top_k=3", f"stages.0.sparse.mode={mode}", "stages.0.seq_len=40",
+      "stages.0.batch=1"])
   mesh = mesh_lib.make_mesh(config.MeshConfig(1, 1, 1, 1), jax.devices()[:1])
   model = build.model_for(cfg, 0, mesh)
   params = build.init_params(model, jax.random.key(0), mesh, cfg.rules, 40)

@@ -6,19 +6,22 @@ bitwise) so that all see the same load on a shared machine:
   v4          configs/v4_tiny.yaml as written: V4 attention, mHC, V4 experts, MTP, Muon;
   v4_no_mtp   the same with model.mtp.depth=0;
   v4_adamw    the same with train.optimizer=adamw;
-  llama       a Llama-shaped decoder (GQA, one residual, a dense SwiGLU, AdamW) whose d_ff is
-              chosen so its active parameters equal v4_no_mtp's (the model that is served:
-              the MTP block only trains).
+  llama       a Llama-shaped decoder (GQA, one residual, a dense SwiGLU, AdamW, dense attention
+              in every stage) whose d_ff is chosen so its active parameters equal v4_no_mtp's
+              (the model that is served: the MTP block only trains).
+The V4 runs follow v4_tiny's CSA stages: in its 15 indexer warm-up steps only the indexer
+learns, so they train their main weights for 15 steps fewer than llama.
 Held-out loss (`val_loss`, the main head's) at the same steps, i.e. equal tokens; tokens/s the
 median over the steps that did not compile or follow a resume.
 
 --part attention: one attention layer's forward and backward over a 1-document row at
 16K and 64K positions, dense causal (`blockwise`, our CPU default) against V4's three layer
 kinds by query blocks (maxlm/model/compressed_blocks.py): window only (W = 128), HCA
-(m' = 128, every closed entry) and CSA (m = 4, the indexer's top 512 of the L / 4 entries, its
-scores included). Heads and widths are V4-Flash's proportions scaled down: 4 query heads of 64
-(one shared K = V head in V4; 1 KV head for dense), an indexer of 4 heads of 16, i.e. an
-indexer pair costs 1/8 of an attention pair, as 64 x 128 against 64 x 512 x 2 in V4-Flash.
+(m' = 128, every closed entry) and CSA (m = 4, the indexer's top 512 of the L / 4 entries,
+its scores and its KL loss, forward and backward, included). Heads and widths are V4-Flash's
+proportions scaled down: 4 query heads of 64 (one shared K = V head in V4; 1 KV head for
+dense), an indexer of 4 heads of 16, i.e. an indexer pair costs 1/8 of an attention pair, as
+64 x 128 against 64 x 512 x 2 in V4-Flash.
 
   python tools/bench_v4.py --part train --json [--data runs/demo/data] [--chunk 15]
   python tools/bench_v4.py --part attention --json [--lengths 16384 65536]
@@ -41,7 +44,7 @@ from maxlm.train import loop, memory, metrics  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LLAMA = ["model.mqa.q_lora=0", "model.mhc.streams=0", "model.moe.experts=0", "model.mtp.depth=0",
-         "train.optimizer=adamw"]
+         "train.optimizer=adamw", *(f"stages.{s}.sparse.mode=dense" for s in (1, 2, 3))]
 RUNS = {"v4": [], "v4_no_mtp": ["model.mtp.depth=0"], "v4_adamw": ["train.optimizer=adamw"],
         "llama": LLAMA}
 
@@ -113,6 +116,13 @@ def _seconds(fn, *args, repeats):
   return best, compile_and_first
 
 
+def _objective(out, indexer_sums):
+  """What the backward runs from: the output's sum, plus CSA's indexer KL (as in training)."""
+  import jax.numpy as jnp
+  total = out.astype(jnp.float32).sum()
+  return total if indexer_sums is None else total + indexer_sums["kl"]
+
+
 def attention_part(args):
   """Seconds of one forward + backward of each layer kind at each length."""
   import jax
@@ -131,28 +141,30 @@ def attention_part(args):
     seg = jnp.ones((1, length), jnp.int32)
     sink = jnp.zeros((h,))
 
-    def dense(q, kv):
+    def dense(q, kv, _):
       return attention(q, kv[:, :, None], kv[:, :, None], seg, impl="blockwise",
-                       block_q=block, block_k=block, max_logit=False)
+                       block_q=block, block_k=block, max_logit=False), None
 
     def kind(rate, top):
+      """(the layer kind's attention(q, kv, indexer arrays), its indexer arrays: ())."""
       if not rate:
-        e, end, valid, index = jnp.zeros((1, 0, k)), jnp.zeros((1, 0), jnp.int32), \
-            jnp.zeros((1, 0), bool), None
+        e, end, valid = jnp.zeros((1, 0, k)), jnp.zeros((1, 0), jnp.int32), \
+            jnp.zeros((1, 0), bool)
       else:
         end, valid = compressed.window_ends(pos, seg, rate)
         e = jax.random.normal(keys[2], (1, end.shape[1], k))
-        index = None if not top else (jax.random.normal(keys[3], (1, length, j, c)),
-                                      jax.random.normal(keys[4], (1, length, j)),
-                                      jax.random.normal(keys[5], (1, end.shape[1], c)), top)
-      return lambda q, kv: compressed_blocks.attend(q, kv, e, end, valid, seg, window, sink,
-                                                    block, index)
-    fns = {"dense": dense, "window": kind(0, 0), "hca": kind(128, 0), "csa": kind(4, top_k)}
+      arrays = () if not top else (jax.random.normal(keys[3], (1, length, j, c)),
+                                   jax.random.normal(keys[4], (1, length, j)),
+                                   jax.random.normal(keys[5], (1, end.shape[1], c)))
+      return (lambda q, kv, idx: compressed_blocks.attend(
+          q, kv, e, end, valid, seg, window, sink, block, (*idx, top) if idx else None)), arrays
+    fns = {"dense": (dense, ()), "window": kind(0, 0), "hca": kind(128, 0),
+           "csa": kind(4, top_k)}
     row = {}
-    for name, fn in fns.items():
-      grad = jax.jit(jax.grad(lambda q, kv, fn=fn: fn(q, kv).astype(jnp.float32).sum(),
-                              argnums=(0, 1)))
-      row[name], first = _seconds(grad, q, kv, repeats=args.repeats)
+    for name, (fn, idx) in fns.items():  # the indexer's arrays learn too, as in training
+      grad = jax.jit(jax.grad(lambda q, kv, idx, fn=fn: _objective(*fn(q, kv, idx)),
+                              argnums=(0, 1, 2)))
+      row[name], first = _seconds(grad, q, kv, idx, repeats=args.repeats)
       row[f"{name}_first_call"] = first
     for name in ("window", "hca", "csa"):
       row[f"{name}_over_dense"] = row[name] / row["dense"]

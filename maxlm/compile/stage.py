@@ -30,7 +30,7 @@ def compile_stage(config, s, vocab, devices, platform):
   out = {"stage": s, "name": stage.name or str(s), "seq_len": stage.seq_len,
          "batch": stage.batch, "objective": config.objective_for(s),
          "attention": impl_lib.attention_name(config.model, stage, choice),
-         "sparse": choice.sparse,
+         "sparse": impl_lib.sparse_name(config.model, stage, choice),
          "grouped": choice.grouped if config.model.moe.experts else None,
          "flops": {"analytic": build.flops_per_token(model.cfg, stage.seq_len) * tokens},
          "compile_s": round(time.perf_counter() - t0, 1)}

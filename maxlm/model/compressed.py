@@ -144,6 +144,14 @@ def attend(q_BxLxHxD, kv_BxLxD, entries_BxExD, entry_mask_BxLxE, segment_ids_BxL
   tokens and the entries `entry_mask` lets it see, with a learned logit per head that takes
   softmax mass and gives nothing (the sink). Dense: [B, H, L, L + E] scores, float32; the
   reference that kernels are checked against. Returns out_BxLxHxD."""
+  return attend_with_entry_probs(q_BxLxHxD, kv_BxLxD, entries_BxExD, entry_mask_BxLxE,
+                                 segment_ids_BxL, window, sink_H)[0]
+
+
+def attend_with_entry_probs(q_BxLxHxD, kv_BxLxD, entries_BxExD, entry_mask_BxLxE,
+                            segment_ids_BxL, window, sink_H):
+  """(out_BxLxHxD, probs_BxHxLxE): `attend` and the attention each head gives each entry, what
+  the indexer learns from (indexer_kl)."""
   length = kv_BxLxD.shape[1]
   scale = q_BxLxHxD.shape[-1] ** -0.5
   q = q_BxLxHxD.astype(jnp.float32)
@@ -161,4 +169,22 @@ def attend(q_BxLxHxD, kv_BxLxD, entries_BxExD, entry_mask_BxLxE, segment_ids_BxL
   probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
   values = jnp.concatenate([kv_BxLxD, entries_BxExD], axis=1).astype(jnp.float32)
   out = jnp.einsum("bhls,bsd->blhd", probs, values)
-  return out.astype(q_BxLxHxD.dtype)
+  return out.astype(q_BxLxHxD.dtype), probs[..., length:]
+
+
+def indexer_kl(probs_BxHxQxN, scores_BxQxN, mask_BxQxN):
+  """What CSA's indexer learns from, as DeepSeek-V3.2's lightning indexer does: for each query,
+  KL(p || softmax(scores)) over the N entries `mask` lets it see, p the attention its heads
+  give those entries (summed over heads, normalised, no gradient). Returns the sums
+  {"kl", "queries", "selected"} over the queries that see an entry."""
+  p_BxQxN = jax.lax.stop_gradient(jnp.sum(probs_BxHxQxN, axis=1)) * mask_BxQxN
+  has_BxQ = jnp.any(mask_BxQxN, axis=-1)
+  p_BxQxN = p_BxQxN / jnp.maximum(jnp.sum(p_BxQxN, axis=-1, keepdims=True), 1e-30)
+  # a large finite floor, not -inf, so a query that sees nothing has no NaN in its gradient
+  log_q = jax.nn.log_softmax(jnp.where(mask_BxQxN, scores_BxQxN, -1e30), axis=-1)
+  positive = p_BxQxN > 0
+  log_p = jnp.log(jnp.where(positive, p_BxQxN, 1.0))
+  kl_BxQ = jnp.sum(jnp.where(positive, p_BxQxN * (log_p - log_q), 0.0), axis=-1)
+  return {"kl": jnp.sum(jnp.where(has_BxQ, kl_BxQ, 0.0)),
+          "queries": jnp.sum(has_BxQ).astype(jnp.float32),
+          "selected": jnp.sum(mask_BxQxN).astype(jnp.float32)}

@@ -9,7 +9,11 @@ For a block of b queries starting at row offset s:
            for the block's queries (the indexer's own O(L E) cost, as in V4), the top k of the
            visible ones gathered, so the attention itself sees k entries, not E;
   softmax  jointly over both and the head's sink, in float32, as the dense reference does.
-Blocks run one after another under `lax.map`, so memory holds one block's scores. The result
+With an indexer, each block also returns the indexer's KL sums (compressed.indexer_kl) over the
+entries its queries attend. Blocks run one after another under `lax.map`, each recomputed in the
+backward pass (jax.checkpoint), so memory holds one block's scores and gathered entries
+(B x b x k x K: 1 GiB in bfloat16 for 512 queries of 4 rows at V4-Flash's k = K = 512) and
+keeps only each block's output. The result
 equals compressed.attend over compressed.select's mask (tests/test_model_compressed_blocks.py):
 the same visible set, the same top k (jax.lax.top_k over the same scores), the same softmax.
 
@@ -25,9 +29,10 @@ from maxlm.model import compressed
 
 def attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE, valid_BxE, segment_ids_BxL, window,
            sink_H, block, index=None):
-  """out_BxLxHxK. `end_BxE`, `valid_BxE`: where each entry's window closed
-  (compressed.window_ends); `index`: None (HCA: every visible entry) or (q_BxLxJxC,
-  w_BxLxJ, keys_BxExC, top_k) for CSA's indexer."""
+  """(out_BxLxHxK, the indexer's KL sums or None). `end_BxE`, `valid_BxE`: where each entry's
+  window closed (compressed.window_ends); `index`: None (every visible entry, no indexer) or
+  (q_BxLxJxC, w_BxLxJ, keys_BxExC, top_k) for CSA's indexer (top_k 0: every visible entry,
+  the indexer learning beside them)."""
   b, length, heads, k = q_BxLxHxK.shape
   block = min(block, length)
   pad = -length % block
@@ -54,31 +59,33 @@ def attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE, valid_BxE, segment_ids_B
     token_mask = near[None] & (seg_k[:, None, :] == seg_q[:, :, None]) & (seg_q[:, :, None] > 0)
     seen = (valid_BxE[:, None] & (owner_BxE[:, None] == seg_q[:, :, None])
             & (end_BxE[:, None] <= rows[None, :, None]) & (seg_q[:, :, None] > 0))
-    picked, entry_mask = _entries(entries_BxExK, seen, index, start, block)
-    return _softmax_out(q, keys, picked, token_mask, entry_mask, sink_H)
+    picked, entry_mask, scores = _entries(entries_BxExK, seen, index, start, block)
+    out, probs = _softmax_out(q, keys, picked, token_mask, entry_mask, sink_H)
+    return out, (None if index is None else compressed.indexer_kl(probs, scores, entry_mask))
 
   starts = jnp.arange(0, length + pad, block)
-  out_NxBxbxHxK = jax.lax.map(one, starts)
+  out_NxBxbxHxK, stats = jax.lax.map(jax.checkpoint(one), starts)
   out = jnp.moveaxis(out_NxBxbxHxK, 0, 1).reshape(b, length + pad, heads, k)[:, :length]
-  return out.astype(q_BxLxHxK.dtype)
+  sums = None if index is None else {name: jnp.sum(v) for name, v in stats.items()}
+  return out.astype(q_BxLxHxK.dtype), sums
 
 
 def _entries(entries_BxExK, seen_BxbxE, index, start, block):
-  """(entries each query attends to, [B, b, n, K] or shared [B, E, K]; mask [B, b, n])."""
+  """(entries each query attends to, [B, b, n, K] or shared [B, E, K]; mask [B, b, n]; the
+  indexer's scores of them [B, b, n], None without an indexer)."""
   if index is None:
-    return entries_BxExK, seen_BxbxE
+    return entries_BxExK, seen_BxbxE, None
   q_idx, w_idx, keys_BxExC, top_k = index
   q = jax.lax.dynamic_slice_in_dim(q_idx, start, block, axis=1)
   w = jax.lax.dynamic_slice_in_dim(w_idx, start, block, axis=1)
   scores_BxbxE = compressed.index_scores(q, w, keys_BxExC)
   k = min(top_k, entries_BxExK.shape[1])
   if k == 0:
-    return entries_BxExK, seen_BxbxE
-  masked = jnp.where(seen_BxbxE, scores_BxbxE, -jnp.inf)
-  _, picks_Bxbxk = jax.lax.top_k(masked, k)
+    return entries_BxExK, seen_BxbxE, scores_BxbxE
+  _, picks_Bxbxk = jax.lax.top_k(jnp.where(seen_BxbxE, scores_BxbxE, -jnp.inf), k)
   chosen_Bxbxk = jnp.take_along_axis(seen_BxbxE, picks_Bxbxk, axis=-1)
   gathered = jax.vmap(lambda e, p: e[p])(entries_BxExK, picks_Bxbxk)  # [B, b, k, K]
-  return gathered, chosen_Bxbxk
+  return gathered, chosen_Bxbxk, jnp.take_along_axis(scores_BxbxE, picks_Bxbxk, axis=-1)
 
 
 def _softmax_out(q_BxbxHxK, keys_BxSxK, entries, token_mask_BxbxS, entry_mask_Bxbxn, sink_H):
@@ -96,4 +103,4 @@ def _softmax_out(q_BxbxHxK, keys_BxSxK, entries, token_mask_BxbxS, entry_mask_Bx
   s = keys_BxSxK.shape[1]
   out = jnp.einsum("bhqs,bsd->bqhd", probs[..., :s], keys_BxSxK.astype(jnp.float32))
   spec = "bhqe,bed->bqhd" if shared else "bhqe,bqed->bqhd"
-  return out + jnp.einsum(spec, probs[..., s:], entries)
+  return out + jnp.einsum(spec, probs[..., s:], entries), probs[..., s:]

@@ -3,6 +3,7 @@ before compiling (train/stage.py `validate`), the memory estimate and `maxlm com
 
   choose(stage, platform) -> Choice(attention, sparse, grouped, interpret)
   mqa_block(name, block_q) -> queries per block of V4's attention (0: its dense reference)
+  sparse_name(model_cfg, stage, choice) -> what a report calls its sparse attention
 
 `platform` is where the step runs ("cpu", "tpu" or "gpu"), a parameter and never read from jax
 here, so a CPU machine can ask what a TPU slice would run. The attention names a stage may give
@@ -70,6 +71,12 @@ def attention_name(model_cfg, stage, choice):
   if not model_cfg.mqa.enabled:
     return choice.attention
   return "mqa_blocks" if mqa_block(stage.attention, stage.block_q) else "mqa_reference"
+
+
+def sparse_name(model_cfg, stage, choice):
+  """What a report calls a stage's sparse attention: `choice.sparse`, or for DeepSeek-V4's
+  attention the stage's mode, which its CSA layers follow (maxlm/model/mqa.py)."""
+  return stage.sparse.mode if model_cfg.mqa.enabled else choice.sparse
 
 
 def grouped_impl(platform):

@@ -8,6 +8,11 @@ For a layer's input x_BxLxD (H heads of width K, R of them rotated, m the compre
   key=value kv = RMSNorm(W_kv x), one head, rotated alike;
   entries   m = 0: none. HCA: every closed window of the query's document. CSA: the indexer's
             top-k of them (its own compressor, queries from W_qa x, compressed.select);
+  indexer   CSA's stage mode (`index_mode`, the stage's sparse.mode): dense attends every
+            visible entry and ignores the indexer; indexer_warmup attends every visible entry
+            and the indexer learns the heads' attention over them (compressed.indexer_kl,
+            sown as "sparse" kl/queries/selected); sparse attends its top k and it learns on
+            those. Its inputs are cut from the gradient: only that KL trains it;
   attention over the window's tokens and the entries, with the sink (compressed.attend); the
             output's last R channels turned back by the query's angle (K = V carried it);
   output    heads split into G groups, each projected to O channels, then all G O to D.
@@ -22,6 +27,7 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from maxlm.model import compressed, compressed_blocks, rope as rope_lib
@@ -48,18 +54,21 @@ class MqaSpec:
   norm_eps: float = 1e-6
   init_std: float = 0.02
   block: int = 0  # queries per block (compressed_blocks.py); 0: the dense reference
+  index_mode: str = "sparse"  # CSA: dense | indexer_warmup | sparse (the stage's sparse.mode)
 
 
-def spec_for(cfg, rate, theta, block=0):
+def spec_for(cfg, rate, theta, block=0, index_mode="sparse"):
   """The MqaSpec of a layer of ModelConfig `cfg` with compression rate `rate`; `theta`: the
   stage's RoPE base, which window-only layers use (a stage's RoPE scaling is not applied);
-  `block`: queries per block, 0 for the dense reference (impl.mqa_block decides)."""
+  `block`: queries per block, 0 for the dense reference (impl.mqa_block decides);
+  `index_mode`: the stage's sparse.mode, what CSA's indexer does."""
   q = cfg.mqa
   return MqaSpec(heads=cfg.n_heads, head_dim=cfg.head_dim, rope_dim=q.rope_dim, q_lora=q.q_lora,
                  out_groups=q.out_groups, out_lora=q.out_lora, window=q.window, rate=rate,
                  overlap=rate == q.csa_rate, index_heads=q.index_heads, index_dim=q.index_dim,
                  index_top_k=q.index_top_k, theta=theta, compress_theta=q.compress_theta,
-                 norm_eps=cfg.norm_eps, init_std=cfg.init_std, block=block)
+                 norm_eps=cfg.norm_eps, init_std=cfg.init_std, block=block,
+                 index_mode=index_mode)
 
 
 class Compressor(nn.Module):
@@ -111,16 +120,14 @@ class Mqa(nn.Module):
     q_BxLxHxK, kv_BxLxK, entries_BxExK = (x.astype(dt) for x in (q_BxLxHxK, kv_BxLxK,
                                                                   entries_BxExK))
     if s.block:
-      out = compressed_blocks.attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE, valid_BxE,
-                                     segment_ids_BxL, s.window, sink_H, s.block, index)
+      out, sums = compressed_blocks.attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE,
+                                           valid_BxE, segment_ids_BxL, s.window, sink_H,
+                                           s.block, index)
     else:
-      mask_BxLxE = compressed.visible(segment_ids_BxL, end_BxE, valid_BxE)
-      if index is not None:
-        q_idx, w_idx, keys_BxExC, top_k = index
-        mask_BxLxE = compressed.select(compressed.index_scores(q_idx, w_idx, keys_BxExC),
-                                       mask_BxLxE, top_k)
-      out = compressed.attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, mask_BxLxE, segment_ids_BxL,
-                              s.window, sink_H)
+      out, sums = self._reference(q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE, valid_BxE,
+                                  segment_ids_BxL, sink_H, index)
+    for name, value in (sums or {}).items():  # summed over layers by build.loss_fn
+      self.sow("sparse", name, value)
     out = rope_lib.apply_tail(out, positions_BxL, theta, s.rope_dim, inverse=True)
     b, length = out.shape[:2]
     grouped = out.reshape(b, length, s.out_groups, s.heads * s.head_dim // s.out_groups)
@@ -130,10 +137,27 @@ class Mqa(nn.Module):
     low = jnp.einsum("blgi,gio->blgo", grouped, w_a.astype(dt)).reshape(b, length, -1)
     return self._dense(x_BxLxD.shape[-1], (None, "embed"), "o_b")(low)
 
+  def _reference(self, q_BxLxHxK, kv_BxLxK, entries_BxExK, end_BxE, valid_BxE,
+                 segment_ids_BxL, sink_H, index):
+    """(out, the indexer's KL sums or None) by the dense reference (compressed.attend)."""
+    s = self.spec
+    mask_BxLxE = compressed.visible(segment_ids_BxL, end_BxE, valid_BxE)
+    if index is None:
+      return compressed.attend(q_BxLxHxK, kv_BxLxK, entries_BxExK, mask_BxLxE,
+                               segment_ids_BxL, s.window, sink_H), None
+    q_idx, w_idx, keys_BxExC, top_k = index
+    scores_BxLxE = compressed.index_scores(q_idx, w_idx, keys_BxExC)
+    mask_BxLxE = compressed.select(scores_BxLxE, mask_BxLxE, top_k)
+    out, probs = compressed.attend_with_entry_probs(q_BxLxHxK, kv_BxLxK, entries_BxExK,
+                                                    mask_BxLxE, segment_ids_BxL, s.window,
+                                                    sink_H)
+    return out, compressed.indexer_kl(probs, scores_BxLxE, mask_BxLxE)
+
   def _entries(self, x_BxLxD, q_low_BxLxQ, positions_BxL, segment_ids_BxL):
     """(entries_BxExK, end_BxE, valid_BxE, index): the compressed entries, where each one's
-    window closed, and for CSA the indexer's (queries, head weights, keys, top_k); None for
-    HCA, which attends every visible entry. A window-only layer has no entries."""
+    window closed, and for CSA the indexer's (queries, head weights, keys, top_k: 0 for every
+    visible entry); None for HCA and in a dense stage, where every visible entry is attended.
+    A window-only layer has no entries."""
     s = self.spec
     b = x_BxLxD.shape[0]
     if not s.rate:
@@ -143,13 +167,17 @@ class Mqa(nn.Module):
         x_BxLxD, positions_BxL, segment_ids_BxL)
     if not s.overlap:
       return entries, end_BxE, valid_BxE, None
+    x_BxLxD, q_low_BxLxQ = jax.lax.stop_gradient((x_BxLxD, q_low_BxLxQ))
     keys_BxExC, _, _ = Compressor(s, s.index_dim, name="index_compressor")(
         x_BxLxD, positions_BxL, segment_ids_BxL)
     q_BxLxJxC = self._dense((s.index_heads, s.index_dim), ("embed", None, None), "index_q")(
         q_low_BxLxQ)
     q_BxLxJxC = rope_lib.apply_tail(q_BxLxJxC, positions_BxL, s.compress_theta, s.rope_dim)
     w_BxLxJ = self._dense(s.index_heads, ("embed", None), "index_weights")(x_BxLxD)
-    index = (q_BxLxJxC, w_BxLxJ * s.index_heads ** -0.5, keys_BxExC, s.index_top_k)
+    if s.index_mode == "dense":  # its parameters exist for the later stages; unused here
+      return entries, end_BxE, valid_BxE, None
+    top_k = s.index_top_k if s.index_mode == "sparse" else 0
+    index = (q_BxLxJxC, w_BxLxJ * s.index_heads ** -0.5, keys_BxExC, top_k)
     return entries, end_BxE, valid_BxE, index
 
   def _dense(self, features, names, name):

@@ -195,7 +195,8 @@ class Block(nn.Module):
                        "forward per token")
     s = self.settings
     block = impl_lib.mqa_block(s.impl, s.block_q)
-    spec = mqa.spec_for(c, self.spec.compress, s.rope.theta, block)
+    mode = s.sparse.mode if s.sparse is not None else "dense"
+    spec = mqa.spec_for(c, self.spec.compress, s.rope.theta, block, mode)
     out = mqa.Mqa(spec, jnp.dtype(c.dtype), name="attention")(x_BxLxD, positions_BxL,
                                                               segment_ids_BxL)
     return out, jnp.float32(jnp.nan)

@@ -1,8 +1,10 @@
 """What the indexer stages change in training: frozen main weights, a grown state, metrics.
 
-- indexer_warmup: only parameters under an `indexer` module train. Their gradients alone enter
-  the optimizer (clipping and grad_norm see only them), and the main parameters and their
-  Adam moments are carried over unchanged (weight decay would otherwise move them).
+- indexer_warmup: only the indexer's parameters train (those under an `indexer` module, or
+  DeepSeek-V4's `index_q`, `index_weights` and `index_compressor`, maxlm/model/mqa.py). Their
+  gradients alone enter the optimizer (clipping and grad_norm see only them), and the main
+  parameters and their optimizer moments are carried over unchanged (weight decay would
+  otherwise move them).
 - A stage whose model has indexer parameters the state lacks (the first non-dense stage) adds
   them, initialised from the run's seed as a fresh init of that stage's model would, and grows
   the optimizer state by the same leaves; everything already there is kept bit for bit, so a
@@ -16,8 +18,12 @@ from maxlm.model import build
 from maxlm.train import update
 
 
+INDEXER_MODULES = ("'indexer'", "'index_q'", "'index_weights'", "'index_compressor'")
+
+
 def is_indexer(path):
-  return "'indexer'" in jax.tree_util.keystr(path)
+  key = jax.tree_util.keystr(path)
+  return any(name in key for name in INDEXER_MODULES)
 
 
 def mode_of(model):
@@ -94,6 +100,7 @@ def sum_keys(model):
   if mode == "dense":
     return ()
   sp = model.settings.sparse
-  measured = mode == "indexer_warmup" or (sp.select == "block" and sp.recall_blocks > 0)
+  measured = not model.cfg.mqa.enabled and (
+      mode == "indexer_warmup" or (sp.select == "block" and sp.recall_blocks > 0))
   keys = ("kl", "selected", "queries") + (("recall", "recall_queries") if measured else ())
   return tuple(f"indexer_{k}_sum" for k in keys)
