@@ -134,7 +134,9 @@ class MqaConfig:
   hca_rate: int = 128  # >= 2; HCA's m': entries from windows of this many tokens, all attended
   index_heads: int = 64  # >= 1; the lightning indexer's query heads (CSA)
   index_dim: int = 128  # >= rope_dim; the indexer's head width
-  index_top_k: int = 512  # >= 1; entries each query keeps in a CSA layer
+  # >= 1; entries each query keeps in a CSA layer in a sparse stage (stages.N.sparse.mode;
+  # dense and indexer_warmup stages attend every entry)
+  index_top_k: int = 512
   compress_theta: float = 160000.0  # > 0; RoPE base of layers with entries (window-only: rope)
 
   @property

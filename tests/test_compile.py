@@ -160,3 +160,24 @@ def test_a_stage_compiles_for_a_gpu_node_and_reports(config, overrides, gpus, he
     assert stage["grouped"] == ("ragged_dot_tiles" if GPU_MOE[0] in overrides else None)
     assert stage["sparse"] == ("blocks" if SPARSE[0] in overrides else "dense")
     assert stage["collectives"]["all-gather"]["count"] > 0
+
+
+V4 = ["model.vocab_size=512", "model.dtype=bfloat16", "model.n_layers=2", "model.d_model=64",
+      "model.moe.experts=4", "model.moe.d_ff=64", "model.mqa.compress=[4, 32]",
+      "stages=[{seq_len: 256, batch: 8, steps: 1, block_q: 128, sparse: {mode: sparse}, "
+      "mesh: {data: 1, fsdp: -1}}]"]
+
+
+def test_v4_compiles_for_a_tpu_slice(here):
+  """configs/v4_tiny.yaml shrunk, in a sparse stage: V4's attention by query blocks with CSA's
+  top k gathered and its indexer's KL, mHC, hash and learned routing, MTP and Muon spread over
+  the devices, compiled by XLA:TPU (and Mosaic for the experts) for 4 v5e chips."""
+  pytest.importorskip("libtpu")
+  proc = here("compile", ROOT / "configs" / "v4_tiny.yaml", *V4, "--target", "tpu:v5e:2x2",
+              "--json")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (stage,) = json.loads(proc.stdout)["stages"]
+  assert stage["fits"] and stage["attention"] == "mqa_blocks" and stage["sparse"] == "sparse"
+  assert stage["grouped"] == "megablox"  # an expert width of 64, padded to the kernel's tiles
+  assert stage["collectives"]["all-gather"]["count"] > 0
+  assert stage["compiled"]["total"] > 0 and stage["cost"]["flops"] > 0

@@ -55,8 +55,13 @@ def cmd_compile(args):
   for r in bad:
     print(f"stage {r['name']} does not fit: {_gib(r['compiled']['total'])} GiB a chip of "
           f"{_gib(r['hbm_bytes'])} ({_gib(r['compiled']['total'] - r['hbm_bytes'])} GiB over); "
-          f"try {'; or '.join(FIXES)}", file=sys.stderr)
+          f"try {'; or '.join(_fixes(cfg))}", file=sys.stderr)
   return 1 if bad else 0
+
+
+def _fixes(cfg):
+  """FIXES without the remat advice when every layer already keeps only its input."""
+  return [f for f in FIXES if not (cfg.model.remat == "full" and f.startswith("model.remat"))]
 
 
 def _speed(out, target, n_devices):

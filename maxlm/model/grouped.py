@@ -50,13 +50,17 @@ def matmul(lhs_MxK, rhs_GxKxN, sizes_G, impl=None):
   m, k = lhs_MxK.shape
   n = rhs_GxKxN.shape[2]
   pad = -m % _MEGABLOX_TILE_M
+  # the kernel's tiles (forward and both backward products) need K and N in whole 128-lane
+  # tiles: zeros pad them (exact for the products and their gradients) and are cut off after
+  pad_k, pad_n = -k % 128, -n % 128
   # the kernel leaves rows past the groups unwritten, in both directions: select them away
   valid_M = (jnp.arange(m) < jnp.sum(sizes_G))[:, None]
-  out = megablox.gmm(jnp.pad(jnp.where(valid_M, lhs_MxK, 0), ((0, pad), (0, 0))), rhs_GxKxN,
+  lhs = jnp.pad(jnp.where(valid_M, lhs_MxK, 0), ((0, pad), (0, pad_k)))
+  out = megablox.gmm(lhs, jnp.pad(rhs_GxKxN, ((0, 0), (0, pad_k), (0, pad_n))),
                      sizes_G.astype(jnp.int32), preferred_element_type=lhs_MxK.dtype,
-                     tiling=(_MEGABLOX_TILE_M, min(128, k), min(128, n)),
+                     tiling=(_MEGABLOX_TILE_M, 128, 128),
                      interpret=impl == "megablox_interpret")
-  return jnp.where(valid_M, out[:m], 0)
+  return jnp.where(valid_M, out[:m, :n], 0)
 
 
 def _tile_rows(m, g):
