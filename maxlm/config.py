@@ -49,6 +49,9 @@ class DataConfig:
   # [[a, b], ...], 0 <= a < b, not overlapping: global steps a..b-1 train on the batches after
   # them instead (after a loss spike; maxlm/data/skip.py, docs/troubleshooting.md)
   skip_steps: tuple[tuple[int, ...], ...] = ()
+  # false: a training row's documents see each other (one segment, positions 0..L-1 across the
+  # row), an ablation of the sample-level mask (docs/schedule.md); evaluation keeps the mask
+  document_mask: bool = True
 
   def check(self, key):
     _check_mix(f"{key}.mix", self.mix)

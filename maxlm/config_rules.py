@@ -27,6 +27,9 @@ def check_objectives_and_families(config):
   if "dpo" in objectives and not config.init.from_:
     raise ConfigError("train.objective=dpo needs init.from=RUN_DIR: its weights start the run "
                       "and are the frozen reference model (docs/pairs.md)")
+  if not config.data.document_mask and objectives != {"lm"}:
+    raise ConfigError("data.document_mask=false with a dpo/grpo stage: a preference pair or a "
+                      "rollout is its own segments; the ablation is for lm stages only")
 
 
 def _mqa_refusal(config, sparse):

@@ -105,3 +105,23 @@ def test_provenance_matches_rows(cfg_path):
 @pytest.mark.slow
 def test_worker_count_does_not_change_batches(cfg_path):
   assert same(read(cfg_path, 0, 3, 4, workers=2), read(cfg_path, 0, 3, 4, workers=0))
+
+
+def test_without_the_document_mask_a_row_is_one_segment(cfg_path):
+  """data.document_mask=false (the mask ablation) changes only what a token may see: the same
+  tokens, targets and loss, one segment per row, positions running across the row."""
+  data = loader.Data(config.load(cfg_path, ["data.document_mask=false"]))
+  merged = next(loader.iterator(data, 0))
+  (masked,) = read(cfg_path, 0, 0, 1)
+  for f in ("inputs", "targets", "loss_mask", "roles"):
+    np.testing.assert_array_equal(merged[f], masked[f])
+  used = masked["segment_ids"] > 0
+  assert (masked["segment_ids"].max(axis=1) > 1).any()  # rows of several documents
+  np.testing.assert_array_equal(merged["segment_ids"], used.astype(np.int32))
+  width = used.shape[1]
+  np.testing.assert_array_equal(merged["positions"], np.where(used, np.arange(width), 0))
+
+
+def test_the_document_mask_ablation_is_for_lm_stages_only(cfg_path):
+  with pytest.raises(config.ConfigError, match="document_mask=false with a dpo/grpo"):
+    config.load(cfg_path, ["data.document_mask=false", "train.objective=grpo"])

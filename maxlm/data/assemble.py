@@ -67,3 +67,15 @@ def row_arrays(store, special, seed, pieces, seq_len):
   out["inputs"][at:] = special.pad
   out["targets"][at:] = special.pad
   return out
+
+
+def without_document_mask(arrays):
+  """A row's arrays with its documents merged into one segment whose positions run across
+  the row (data.document_mask: false): every token sees the documents before it in the row.
+  Targets, loss mask and roles are unchanged, so no position learns to predict the next
+  document's first token in either form."""
+  used = arrays["segment_ids"] > 0
+  out = dict(arrays)
+  out["segment_ids"] = used.astype(np.int32)
+  out["positions"] = np.where(used, np.arange(len(used), dtype=np.int32), 0).astype(np.int32)
+  return out

@@ -79,6 +79,7 @@ class HostRows:
     self.batch = data.config.stages[s].batch
     self.per_host = data.rows_per_host(s, hosts)
     self.seq_len = data.config.stages[s].seq_len
+    self.document_mask = data.config.data.document_mask
     data.planner.warm(s)  # workers then plan from within the stage, not from stage 0
 
   def global_row(self, j):
@@ -87,7 +88,8 @@ class HostRows:
 
   def __call__(self, j):
     (pieces,) = self.planner.rows(self.s, self.global_row(int(j)), 1)
-    return assemble.row_arrays(self.store, self.special, self.seed, pieces, self.seq_len)
+    arrays = assemble.row_arrays(self.store, self.special, self.seed, pieces, self.seq_len)
+    return arrays if self.document_mask else assemble.without_document_mask(arrays)
 
 
 def stage_dataset(data, s, host=0, hosts=1):
