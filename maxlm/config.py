@@ -191,6 +191,7 @@ class PasskeyEvalConfig:
   lengths: tuple[int, ...] = ()  # each >= 128; those up to the stage's L (empty: powers of 2)
   seed: int = 0  # >= 0; chooses the keys and haystacks
   tasks: tuple[str, ...] = ("passkey",)  # of passkey, multikey, vartrack (maxlm/eval/retrieval.py)
+  extrapolate: bool = False  # also score prompts of twice the stage's L, in rows of 2L
 
   def check(self, key):
     _at_least(f"{key}.samples", self.samples, 0)

@@ -113,6 +113,10 @@ def test_exact_retrieval_is_what_greedy_decoding_emits():
     grid = passkey.score(lambda b, w: fn(params, {k: jnp.asarray(v) for k, v in b.items()},
                                          jnp.asarray(w)), prompts, 64, 2)
   assert grid == {"24": {"0": 1.0, "50": 0.0}, "34": {"0": 1.0, "50": 0.0}}
+  with mesh:  # past the stage's L (extrapolation): the same prompts in rows of their own
+    longer = passkey.score(lambda b, w: fn(params, {k: jnp.asarray(v) for k, v in b.items()},
+                                           jnp.asarray(w)), prompts, 16, 2)
+  assert longer == grid
 
 
 def test_passkey_lengths_default_to_powers_of_two_up_to_the_stage_and_bad_ones_are_one_line():
@@ -120,7 +124,8 @@ def test_passkey_lengths_default_to_powers_of_two_up_to_the_stage_and_bad_ones_a
   from maxlm.eval import long_eval
   assert long_eval.lengths(None, 1024) == [128, 256, 512, 1024]
   assert long_eval.lengths("512,128,512", 1024) == [128, 512]
-  for bad, match in (("64", "outside"), ("2048", "outside"), ("1k", "integers")):
+  assert long_eval.lengths("4096", 1024) == [4096]  # extrapolation, up to 4x L
+  for bad, match in (("64", "outside"), ("8192", "outside"), ("1k", "integers")):
     with pytest.raises(MaxlmError, match=match):
       long_eval.lengths(bad, 1024)
   with pytest.raises(MaxlmError, match="shorter than"):
@@ -137,14 +142,17 @@ def test_training_logs_the_grid_maxlm_eval_scores_and_the_plot_draws_it(demo_dat
               "model.size=tiny", "stages=[{seq_len: 256, batch: 8, steps: 2}]",
               "train.eval_every=2", "train.eval_tokens=512", "train.eval_passkey.samples=1",
               "train.eval_passkey.lengths=[128, 256, 1024]",
-              "train.eval_passkey.tasks=[passkey, vartrack]")
+              "train.eval_passkey.tasks=[passkey, vartrack]",
+              "train.eval_passkey.extrapolate=true")
   assert proc.returncode == 0, proc.stderr
   (row,) = [r for r in metrics.read_jsonl(str(run)) if "val_loss" in r]
   logged = {k: v for k, v in row.items() if k.split("/")[0] in ("passkey", "vartrack")}
   assert {tuple(k.split("/")[:2]) for k in logged} == {
-      (t, n) for t in ("passkey", "vartrack") for n in ("128", "256")}  # 1024 > the stage's L
+      (t, n) for t in ("passkey", "vartrack")
+      for n in ("128", "256", "512")}  # 1024 > 2L; 512 = 2L, extrapolated
   proc = here("eval", run, "--passkey", "--passkey-samples", "1", "--passkey-tasks",
-              "passkey,vartrack", "--passkey-lengths", "128,256", "--json", "--tokens", "512")
+              "passkey,vartrack", "--passkey-lengths", "128,256,512", "--json", "--tokens",
+              "512")
   assert proc.returncode == 0, proc.stderr
   out = json.loads(proc.stdout)
   assert {**passkey.as_metrics(out["passkey"]),

@@ -13,7 +13,8 @@ def add_arguments(p):
                       "held-out text, prompts of powers of two up to the stage's L; --json adds "
                       "passkey: {length: {depth: accuracy}}; heatmap in --passkey-png")
   p.add_argument("--passkey-lengths", metavar="N,N,...",
-                 help="prompt lengths in tokens (default: 128, 256, ... up to the stage's L)")
+                 help="prompt lengths in tokens (default: 128, 256, ... up to the stage's L; "
+                      "up to 4x L, past L scored in rows of their own length: extrapolation)")
   p.add_argument("--passkey-samples", type=int, default=4, help="prompts per cell")
   p.add_argument("--passkey-seed", type=int, default=0, help="chooses keys and haystacks")
   p.add_argument("--passkey-png", help="heatmap file (default: RUN_DIR/passkey.png)")
@@ -35,9 +36,13 @@ class Passkey:
   tasks: str = "passkey"
 
 
+EXTRAPOLATE = 4  # prompts may be up to this many times the stage's L (scored in longer rows)
+
+
 def lengths(requested, seq_len):
   """The passkey prompt lengths: `requested` ("N,N,...", --passkey-lengths) checked against
-  the stage's L, or with None every length from passkey.lengths_up_to(seq_len)."""
+  the stage's L (lengths past it score extrapolation, up to EXTRAPOLATE x L, a guard against a
+  typo's hours), or with None every length from passkey.lengths_up_to(seq_len)."""
   from maxlm.eval import passkey
   if not requested:
     found = passkey.lengths_up_to(seq_len)
@@ -50,10 +55,10 @@ def lengths(requested, seq_len):
   except ValueError:
     raise MaxlmError(f"--passkey-lengths: expected integers separated by commas, got "
                      f"{requested!r}") from None
-  bad = [n for n in out if not passkey.SHORTEST <= n <= seq_len]
+  bad = [n for n in out if not passkey.SHORTEST <= n <= EXTRAPOLATE * seq_len]
   if bad:
-    raise MaxlmError(f"--passkey-lengths: {bad[0]} is outside [{passkey.SHORTEST}, {seq_len}] "
-                     f"(the stage's L)")
+    raise MaxlmError(f"--passkey-lengths: {bad[0]} is outside [{passkey.SHORTEST}, "
+                     f"{EXTRAPOLATE * seq_len}] ({EXTRAPOLATE}x the stage's L={seq_len})")
   return out
 
 

@@ -94,6 +94,7 @@ class Steps:
     if self._passkey is None:  # the same prompts at every evaluation of the stage
       L = stage.seq_len
       prompt_lengths = [n for n in wanted.lengths if n <= L] or passkey.lengths_up_to(L)
+      prompt_lengths += [2 * L] if wanted.extrapolate else []
       prompts = {task: long_eval.passkey_prompts(prompt_lengths, wanted.samples, wanted.seed,
                                                  self.data, self.config, task=task)
                  for task in wanted.tasks}
