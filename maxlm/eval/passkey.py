@@ -149,8 +149,8 @@ def row_batch(prompts, rows, seq_len, batch_rows):
 def score(predict, prompts, seq_len, batch_rows, progress=None):
   """{length: {depth: accuracy}} (str keys, for JSON) with predict(batch, where) -> the argmax
   ids [rows, W] at the positions `where`; prompts are packed into rows of seq_len, or of the
-  longest prompt's length where it is longer (extrapolation past the stage's L); `progress`: a name to show a progress bar of the
-  forward passes under (on stderr), or None for none."""
+  longest prompt's length where it is longer (extrapolation past the stage's L); `progress`:
+  a name to show a progress bar of the forward passes under (on stderr), or None for none."""
   import tqdm
   row_len = max(seq_len, *(p.length for p in prompts))  # longer prompts: rows of their own
   rows = rows_of(prompts, row_len)
