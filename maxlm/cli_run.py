@@ -24,6 +24,9 @@ def _add_eval_and_trace(sub):
   p.add_argument("--tokens", type=int, default=None,
                  help="held-out tokens per source, whole documents (default: the run's "
                       "train.eval_tokens)")
+  p.add_argument("--stage", type=int, default=None,
+                 help="score at this stage's L, RoPE and attention (default: the checkpoint's; "
+                      "one saved at a stage's end belongs to the next stage)")
   p.add_argument("--json", action="store_true",
                  help="print {step, stage, seq_len, split, eval_tokens, small_tokens, sources: "
                       "{name: {documents, tokens, bytes, nll, loss, bpb, small}}, all: {...}, "
@@ -98,7 +101,8 @@ def cmd_eval(args):
   from maxlm.eval import long_eval  # loss by position; retrieval grids with --passkey
   if args.passkey:
     long_eval.task_names(args.passkey_tasks)  # a typo before any work
-  config, data, s, mesh, model, params, step, collections = open_run.open_run(args.run_dir)
+  config, data, s, mesh, model, params, step, collections = open_run.open_run(args.run_dir,
+                                                                              stage=args.stage)
   from maxlm import signals
   signals.pause_native()  # MAXLM_PAUSE_NATIVE: tests only
   stage = config.stages[s]

@@ -152,7 +152,7 @@ def test_training_logs_the_grid_maxlm_eval_scores_and_the_plot_draws_it(demo_dat
       for n in ("128", "256", "512")}  # 1024 > 2L; 512 = 2L, extrapolated
   proc = here("eval", run, "--passkey", "--passkey-samples", "1", "--passkey-tasks",
               "passkey,vartrack", "--passkey-lengths", "128,256,512", "--json", "--tokens",
-              "512")
+              "512", "--stage", "0")
   assert proc.returncode == 0, proc.stderr
   out = json.loads(proc.stdout)
   assert {**passkey.as_metrics(out["passkey"]),
@@ -166,3 +166,5 @@ def test_training_logs_the_grid_maxlm_eval_scores_and_the_plot_draws_it(demo_dat
     assert proc.returncode == 2 and words in proc.stderr
   typo = here("eval", run, "--passkey", "--passkey-tasks", "passkey,multi")
   assert typo.returncode == 2 and "unknown task 'multi'" in typo.stderr
+  typo = here("eval", run, "--stage", "1")
+  assert typo.returncode == 2 and "stages 0..0" in typo.stderr

@@ -5,10 +5,11 @@ from maxlm.ckpt import checkpoint
 from maxlm.train import resume, stage as stage_lib
 
 
-def open_run(run_dir, overrides=()):
+def open_run(run_dir, overrides=(), stage=None):
   """(config, data, stage index, mesh, model, params, step, collections) at the run's latest
-  checkpoint; `collections` holds the model's other variables ({"moe_bias": ...} for an MoE run
-  balanced by bias, so routing matches training; else {})."""
+  checkpoint, built for `stage` (None: the checkpoint's); `collections` holds the model's other
+  variables ({"moe_bias": ...} for an MoE run balanced by bias, so routing matches training;
+  else {})."""
   path = io.join(run_dir, "config.yaml")
   if not io.exists(path):
     raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
@@ -21,7 +22,9 @@ def open_run(run_dir, overrides=()):
     except _Rotated as e:
       if attempt == 2:
         raise MaxlmError(str(e)) from None
-  s = meta["stage"]
+  s = meta["stage"] if stage is None else stage
+  if not 0 <= s < len(config.stages):
+    raise MaxlmError(f"--stage {s}: the run's config has stages 0..{len(config.stages) - 1}")
   parts = stage_lib.parts(config, s, vocab)
   collections = {"moe_bias": state["moe_bias"]} if "moe_bias" in state else {}
   return config, data, s, parts.mesh, parts.model, state["params"], step, collections
