@@ -5,7 +5,7 @@ retrieval grids scored as it trains, and the ablations branched off before the l
 
   python tools/longctx_recipe.py --json                  # the numbers in docs/schedule.md
   python tools/longctx_recipe.py --json --ablations      # and the ablation table
-  python tools/longctx_recipe.py --json --scale 0.05 --stages 2 --ablations --corpus-bytes \
+  python tools/longctx_recipe.py --json --scale 0.02 --stages 2 --ablations --corpus-bytes \
       150000 --vocab 512 --samples 1 --workdir runs/doc/longctx        # the docs test's size
 
 1. Data: the demo corpus (maxlm/data/corpus.py, --corpus-bytes per source) and one retrieval
