@@ -192,7 +192,10 @@ def main():
   cfg = config_lib.load(CONFIG)
   n = len(cfg.stages) if args.stages <= 0 else min(args.stages, len(cfg.stages))
   steps = [max(1, round(st.num_steps * args.scale)) for st in cfg.stages]
+  if args.ablations and n < 2:
+    p.error("--ablations branches before the last stage: it needs --stages 2 or more")
   run = os.path.join(args.workdir, "run")
+  shutil.rmtree(run, ignore_errors=True)  # a fresh run each time (the data is kept)
   base = [f"data.dir={data}", *(f"stages.{i}.steps={k}" for i, k in enumerate(steps))]
   result = {"config": "configs/longctx_recipe.yaml", "scale": args.scale, "stages": []}
   for s in range(n):
