@@ -102,7 +102,7 @@ def train_reference(cfg_path, steps, vocab):
   ids, n = probe_ids(high=vocab)
   with torch.no_grad():
     got = model(torch.tensor(ids)).logits[:, n + 1:2 * n].argmax(-1).numpy()
-  return round(float(loss), 4), round(float((got == ids[:, n + 2:2 * n + 1]).mean()), 4)
+  return round(loss.item(), 4), round(float((got == ids[:, n + 2:2 * n + 1]).mean()), 4)
 
 
 def main():
