@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 SHAPE = dict(d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768)

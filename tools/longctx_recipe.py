@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "longctx_recipe.yaml")
 sys.path.insert(0, os.path.join(REPO, "tools"))
 TASKS = ("passkey", "multikey", "vartrack")
@@ -126,8 +126,9 @@ def induction(run):
   """Argmax accuracy on the second copy of a repeated sequence of random tokens (8 rows of
   60): near 0 without an induction head, near 1 with one. Retrieval needs one: a model that
   cannot copy a repeated sequence cannot copy a key."""
+  path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
   proc = subprocess.run([sys.executable, "-c", INDUCTION_PROBE, run], capture_output=True,
-                        text=True, env={**os.environ, "PYTHONPATH": REPO})
+                        text=True, env={**os.environ, "PYTHONPATH": path})
   if proc.returncode:
     raise SystemExit(f"the induction probe failed:\n{proc.stderr[-2000:]}")
   return round(json.loads(proc.stdout.strip().splitlines()[-1]), 4)
