@@ -60,12 +60,6 @@ def config(data, run, steps, batch):
                     "checkpoint_every": steps, "eval_every": 0}}
 
 
-def probe_ids(n=60, rows=8, low=16, high=4096):
-  rng = np.random.default_rng(0)
-  seqs = [rng.integers(low, high, n).tolist() for _ in range(rows)]
-  return np.array([[1] + s + s for s in seqs]), n
-
-
 def train_reference(cfg_path, steps, vocab):
   """(last loss, induction probe) of transformers' Llama trained on maxlm's batches."""
   import torch
@@ -73,8 +67,10 @@ def train_reference(cfg_path, steps, vocab):
   from maxlm import config as config_lib
   from maxlm.data import loader
   torch.manual_seed(0)
+  import longctx_recipe
   cfg = config_lib.load(cfg_path)
-  it = loader.iterator(loader.Data(cfg), 0)
+  data = loader.Data(cfg)
+  it = loader.iterator(data, 0)
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=vocab, hidden_size=SHAPE["d_model"], intermediate_size=SHAPE["d_ff"],
       num_hidden_layers=SHAPE["n_layers"], num_attention_heads=SHAPE["n_heads"],
@@ -99,7 +95,8 @@ def train_reference(cfg_path, steps, vocab):
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-  ids, n = probe_ids(high=vocab)
+  ids = longctx_recipe.probe_ids(data.special.bos, vocab)
+  n = ids.shape[1] // 2
   with torch.no_grad():
     got = model(torch.tensor(ids)).logits[:, n + 1:2 * n].argmax(-1).numpy()
   return round(loss.item(), 4), round(float((got == ids[:, n + 2:2 * n + 1]).mean()), 4)

@@ -100,21 +100,28 @@ def stage_grid(run, config, s, samples):
           "positions": {b: round(e["loss"], 4) for b, e in prose.items()}}
 
 
+def probe_ids(bos, vocab, n=60, rows=8, low=16):
+  """[rows, 2n + 1] ids of the induction probe: BOS, then n seeded random ids at or above
+  `low` (past the special and marker ids) written twice."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  seqs = [rng.integers(low, vocab, n).tolist() for _ in range(rows)]
+  return np.array([[bos] + seq + seq for seq in seqs])
+
+
 INDUCTION_PROBE = r"""
 import json, sys, numpy as np, jax
 from maxlm.train import open_run
 from maxlm.eval import passkey
+sys.path.insert(0, sys.argv[2])
+import longctx_recipe
 config, data, s, mesh, model, params, step, _ = open_run.open_run(sys.argv[1])
-rng, n, rows = np.random.default_rng(0), 60, 8
-batch = {f: np.zeros((rows, 2 * n + 1), np.int32) for f in
-         ("inputs", "targets", "segment_ids", "positions", "loss_mask", "roles")}
-for r in range(rows):
-  seq = rng.integers(data.special.pad + 16, model.cfg.vocab_size, n).tolist()
-  ids = [data.special.bos] + seq + seq
-  batch["inputs"][r, :2 * n] = ids[:-1]
-  batch["targets"][r, :2 * n] = ids[1:]
-  batch["segment_ids"][r, :2 * n] = 1
-  batch["positions"][r, :2 * n] = np.arange(2 * n)
+ids = longctx_recipe.probe_ids(data.special.bos, model.cfg.vocab_size)
+(rows, width), n = ids.shape, ids.shape[1] // 2
+batch = {f: np.zeros((rows, width - 1), np.int32) for f in ("loss_mask", "roles")}
+batch.update(inputs=ids[:, :-1], targets=ids[:, 1:], segment_ids=np.ones((rows, width - 1)),
+             positions=np.tile(np.arange(width - 1), (rows, 1)))
+batch = {k: v.astype(np.int32) for k, v in batch.items()}
 where = np.tile(np.arange(n + 1, 2 * n)[None], (rows, 1)).astype(np.int32)
 with mesh:
   got = np.asarray(jax.jit(passkey.make_predict(model, config.rules))(params, batch, where))
@@ -127,8 +134,8 @@ def induction(run):
   60): near 0 without an induction head, near 1 with one. Retrieval needs one: a model that
   cannot copy a repeated sequence cannot copy a key."""
   path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-  proc = subprocess.run([sys.executable, "-c", INDUCTION_PROBE, run], capture_output=True,
-                        text=True, env={**os.environ, "PYTHONPATH": path})
+  proc = subprocess.run([sys.executable, "-c", INDUCTION_PROBE, run, os.path.join(REPO, "tools")],
+                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
   if proc.returncode:
     raise SystemExit(f"the induction probe failed:\n{proc.stderr[-2000:]}")
   return round(json.loads(proc.stdout.strip().splitlines()[-1]), 4)

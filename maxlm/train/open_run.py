@@ -14,6 +14,8 @@ def open_run(run_dir, overrides=(), stage=None):
   if not io.exists(path):
     raise MaxlmError(f"{run_dir} is not a run dir (no config.yaml); run `maxlm train` first")
   config = config_lib.load(path, [*overrides, f"run_dir={run_dir}"])
+  if stage is not None and not 0 <= stage < len(config.stages):  # before reading anything
+    raise MaxlmError(f"--stage {stage}: the run's config has stages 0..{len(config.stages) - 1}")
   data, vocab = stage_lib.validate(config)
   for attempt in range(3):  # a live trainer may rotate a checkpoint out while we read it
     try:
@@ -23,8 +25,6 @@ def open_run(run_dir, overrides=(), stage=None):
       if attempt == 2:
         raise MaxlmError(str(e)) from None
   s = meta["stage"] if stage is None else stage
-  if not 0 <= s < len(config.stages):
-    raise MaxlmError(f"--stage {s}: the run's config has stages 0..{len(config.stages) - 1}")
   parts = stage_lib.parts(config, s, vocab)
   collections = {"moe_bias": state["moe_bias"]} if "moe_bias" in state else {}
   return config, data, s, parts.mesh, parts.model, state["params"], step, collections
